@@ -1,0 +1,48 @@
+# Two commands set everything up on a fresh machine:
+#   make build-engines   (main job: check + convert + build on the default CPU config)
+#   make test            (the test suite; .ci/run calls exactly this)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CONFIG ?= configs/tiny.yaml
+TINY_PAIR := models/tiny/pair.json
+ARGS ?=
+
+.PHONY: setup build-engines check convert build run deploy serve bench profile test clean-engines
+
+# The venv is rebuilt when pyproject.toml changes; torch is pinned so pip takes the local CPU wheel.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[serve,test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The default config's tiny pair is made on first use (about a minute on 2 cores).
+$(TINY_PAIR): | $(VENV)/.installed
+	$(PY) scripts/make_tiny_pair.py --out models/tiny
+
+ifeq ($(CONFIG),configs/tiny.yaml)
+PAIR_DEP := $(TINY_PAIR)
+endif
+
+build-engines: $(VENV)/.installed $(PAIR_DEP)
+	$(PY) -m pipeline check $(CONFIG)
+	$(PY) -m pipeline build $(CONFIG) $(ARGS)
+
+check convert build: $(VENV)/.installed $(PAIR_DEP)
+	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+
+run: $(VENV)/.installed
+	$(PY) -m pipeline run $(CONFIG) --prompt "def fibonacci(n):" $(ARGS)
+
+deploy serve bench profile: $(VENV)/.installed $(PAIR_DEP)
+	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+
+test: $(VENV)/.installed
+	$(PY) -m pytest -q tests $(ARGS)
+
+clean-engines:
+	rm -rf engines/*/

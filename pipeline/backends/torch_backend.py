@@ -1,0 +1,54 @@
+"""The torch backend: HF checkpoint -> dtype-cast safetensors checkpoint -> engine folder with engine.json.
+
+The "engine" is the model in its build dtype plus the limits it was built for; the executor refuses requests
+beyond those limits exactly as a TensorRT-LLM engine would.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import PipelineConfig
+from ..models import ResolvedModel, load_causal_lm, load_tokenizer
+
+ENGINE_FILE = "engine.json"
+
+
+def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Path) -> dict:
+    spec = getattr(config, role)
+    lm = load_causal_lm(model, spec.dtype)
+    lm.save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(model).save_pretrained(out_dir)
+    return {"source": {"model": spec.model, "resolved_path": str(model.path), "kind": model.source,
+                       "revision": model.revision}}
+
+
+def engine_limits(config: PipelineConfig, role: str) -> dict:
+    build = config.build
+    return {
+        "backend": "torch", "role": role, "config_name": config.name, "dtype": getattr(config, role).dtype,
+        "max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
+        "max_seq_len": build.max_seq_len,
+        # Only the target verifies; the draft needs no spec mode, like TensorRT-LLM's draft engine.
+        "max_draft_len": config.speculative.max_draft_len if role == "target" else 0,
+        "acceptance": config.speculative.acceptance,
+    }
+
+
+def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
+    return [f"load {checkpoint_dir} as {getattr(config, role).dtype}",
+            f"write {out_dir}/model.safetensors, tokenizer, {ENGINE_FILE} ({json.dumps(engine_limits(config, role))})"]
+
+
+def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> dict:
+    spec = getattr(config, role)
+    checkpoint = ResolvedModel(role, spec, checkpoint_dir, "local", None)
+    lm = load_causal_lm(checkpoint, spec.dtype)
+    lm.save_pretrained(out_dir, safe_serialization=True)
+    load_tokenizer(checkpoint).save_pretrained(out_dir)
+    limits = engine_limits(config, role)
+    limits["architecture"] = type(lm).__name__
+    limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]
+    (out_dir / ENGINE_FILE).write_text(json.dumps(limits, indent=2) + "\n")
+    return {"engine": limits}

@@ -1,0 +1,145 @@
+"""The `check` stage: refuse a config or a pair that cannot work, before any expensive conversion or build."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .config import MAX_DRAFT_LEN_LIMIT, PipelineConfig
+from .errors import CompatibilityError
+from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model
+
+# Architectures TensorRT-LLM 1.2's checkpoint converters handle for the draft-target path (tensorrt_llm/models
+# MODEL_MAP); the torch backend accepts any architecture transformers can load as a causal LM.
+TRTLLM_ARCHITECTURES = {
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "FalconForCausalLM", "GPTNeoXForCausalLM",
+    "GPTJForCausalLM", "GPT2LMHeadModel", "InternLM2ForCausalLM", "DeciLMForCausalLM",
+}
+
+_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+@dataclass
+class CheckReport:
+    ok: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def raise_if_failed(self) -> None:
+        if self.errors:
+            raise CompatibilityError("; ".join(self.errors))
+
+
+def max_positions(hf_config: dict) -> int | None:
+    text = hf_config.get("text_config") or hf_config
+    for key in _POSITION_KEYS:
+        if isinstance(text.get(key), int):
+            return text[key]
+    return None
+
+
+def architecture(hf_config: dict) -> str:
+    archs = hf_config.get("architectures") or []
+    return archs[0] if archs else f"<{hf_config.get('model_type', 'unknown')}>"
+
+
+def _check_architecture(model: ResolvedModel, hf_config: dict, backend: str, report: CheckReport) -> None:
+    arch = architecture(hf_config)
+    if backend == "trtllm":
+        if arch not in TRTLLM_ARCHITECTURES:
+            report.errors.append(f"{model.field}: architecture {arch} has no TensorRT-LLM converter in the pinned "
+                                 f"release; use backend: torch or a model of a supported family "
+                                 f"({', '.join(sorted(TRTLLM_ARCHITECTURES)[:5])}, ...)")
+            return
+    else:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        remote = "AutoModelForCausalLM" in (hf_config.get("auto_map") or {})
+        if hf_config.get("model_type") not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not remote:
+            report.errors.append(f"{model.field}: model_type {hf_config.get('model_type')!r} ({arch}) is not a "
+                                 f"causal LM that transformers can load; pick a decoder-only model")
+            return
+        if remote and not model.spec.trust_remote_code:
+            report.errors.append(f"{model.field}: {arch} needs its own modelling code; set "
+                                 f"{model.role}.trust_remote_code: true if you trust {model.spec.model}")
+            return
+    report.ok.append(f"{model.role}: {arch}")
+
+
+def compare_tokenizers(target_tok, draft_tok) -> list[str]:
+    """Differences that make draft token ids meaningless to the target; empty when the two are identical."""
+    problems = []
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(t for t in set(target_vocab) | set(draft_vocab)
+                           if target_vocab.get(t) != draft_vocab.get(t))
+        example = differing[0] if differing else "?"
+        problems.append(f"token-to-id maps differ (vocab {len(target_vocab)} vs {len(draft_vocab)}, "
+                        f"{len(differing)} tokens differ, e.g. {example!r}: {target_vocab.get(example)} vs "
+                        f"{draft_vocab.get(example)})")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a != b:
+            problems.append(f"{attr} differs ({a} vs {b})")
+    if sorted(target_tok.all_special_tokens) != sorted(draft_tok.all_special_tokens):
+        problems.append("special tokens differ")
+    return problems
+
+
+def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckReport:
+    """Validate the pair; returns the report (caller raises). Reads only config and tokenizer files."""
+    report = CheckReport()
+    models, hf_configs = {}, {}
+    for role in ("target", "draft"):
+        spec = getattr(config, role)
+        models[role] = resolve_model(spec, role, config.base_dir, with_weights=with_weights)
+        hf_configs[role] = read_hf_config(models[role])
+        _check_architecture(models[role], hf_configs[role], config.backend, report)
+
+    tokenizer_problems = compare_tokenizers(load_tokenizer(models["target"]), load_tokenizer(models["draft"]))
+    if tokenizer_problems:
+        report.errors.append("draft.model: tokenizer differs from target (" + "; ".join(tokenizer_problems)
+                             + "); pick a draft from the same model family")
+    else:
+        report.ok.append("tokenizers identical")
+    t_vocab = (hf_configs["target"].get("text_config") or hf_configs["target"]).get("vocab_size")
+    d_vocab = (hf_configs["draft"].get("text_config") or hf_configs["draft"]).get("vocab_size")
+    if t_vocab != d_vocab and not tokenizer_problems:
+        report.warnings.append(f"embedding rows differ (target {t_vocab}, draft {d_vocab}) although the tokenizers "
+                               f"match; only the shared ids are compared")
+
+    build = config.build
+    for role in ("target", "draft"):
+        limit = max_positions(hf_configs[role])
+        if limit is not None and build.max_seq_len > limit:
+            report.errors.append(f"build.max_seq_len: {build.max_seq_len} exceeds {role} "
+                                 f"max_position_embeddings ({limit}); set build.max_seq_len <= {limit}")
+    k = config.speculative.max_draft_len
+    if k + 1 > build.max_seq_len - build.max_input_len:
+        report.errors.append(f"speculative.max_draft_len: {k} leaves no room for generation (max_seq_len "
+                             f"{build.max_seq_len} - max_input_len {build.max_input_len}); lower K or raise "
+                             f"build.max_seq_len")
+    elif k <= MAX_DRAFT_LEN_LIMIT:
+        report.ok.append(f"K = {k}, max_seq_len {build.max_seq_len}, max_input_len {build.max_input_len}")
+
+    if config.backend == "trtllm":
+        _check_parallel(config, hf_configs["target"], report)
+    return report
+
+
+def _check_parallel(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:
+    par = config.build.parallel
+    devices = config.runtime.target_device_ids
+    if par.world_size != len(devices):
+        report.errors.append(f"runtime.target_device_ids: {devices} has {len(devices)} GPUs but build.parallel "
+                             f"needs tp*pp = {par.world_size}; list exactly {par.world_size} device ids")
+    text = target_cfg.get("text_config") or target_cfg
+    heads = text.get("num_attention_heads")
+    if heads and heads % par.tp:
+        report.errors.append(f"build.parallel.tp: {par.tp} does not divide the target's {heads} attention heads; "
+                             f"use a divisor of {heads}")
+    layers = text.get("num_hidden_layers")
+    if layers and par.pp > layers:
+        report.errors.append(f"build.parallel.pp: {par.pp} exceeds the target's {layers} layers")
+    if config.build.quantization.mode == "fp8":
+        report.warnings.append("quantization fp8 needs Hopper or Ada GPUs (sm89+)")

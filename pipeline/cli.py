@@ -1,0 +1,144 @@
+"""`python -m pipeline STAGE CONFIG [options]`: one subcommand per stage.
+
+User errors (PipelineError) print one line and exit 2; `--debug` shows the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from .errors import PipelineError
+
+DEFAULT_ENGINES = Path(os.environ.get("PIPELINE_ENGINES_DIR", "engines"))
+
+
+def _common(parser: argparse.ArgumentParser, config: bool = True) -> None:
+    if config:
+        parser.add_argument("config", type=Path, help="pipeline YAML, e.g. configs/tiny.yaml")
+    parser.add_argument("--engines-dir", type=Path, default=DEFAULT_ENGINES,
+                        help="root of build outputs (default: engines, or $PIPELINE_ENGINES_DIR)")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+
+
+def _load(args):
+    from .config import load_config
+
+    return load_config(args.config)
+
+
+# ---- handlers -----------------------------------------------------------------------------------------------------
+
+def cmd_schema(args) -> int:
+    from .config import json_schema
+
+    print(json.dumps(json_schema(), indent=2))
+    return 0
+
+
+def cmd_check(args) -> int:
+    from .stages import run_check
+
+    config = _load(args)
+    print(f"check {args.config} ({config.backend} backend)")
+    run_check(config)
+    print("check passed")
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from .stages import run_stages, summary
+
+    config = _load(args)
+    start = time.perf_counter()
+    results = run_stages(config, args.engines_dir, ("convert",), force=args.force)
+    print(summary(results))
+    print(f"convert done in {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def cmd_build(args) -> int:
+    from .stages import Layout, build_role, run_stages, summary
+
+    config = _load(args)
+    if args.dry_run:
+        from .backends import get_backend
+
+        backend = get_backend(config.backend)
+        layout = Layout.for_config(config, args.engines_dir)
+        for role in ("target", "draft"):
+            plan = getattr(backend, "convert_plan", None)
+            if plan is not None:
+                for line in plan(config, role, layout.stage_dir(role, "convert")):
+                    print(line)
+            for line in build_role(config, layout, role, dry_run=True):
+                print(line)
+        return 0
+    start = time.perf_counter()
+    results = run_stages(config, args.engines_dir, ("convert", "build"), force=args.force)
+    print(summary(results))
+    print(f"engines for {config.name} ready in {args.engines_dir / config.name} "
+          f"({time.perf_counter() - start:.1f}s)")
+    return 0
+
+
+def _lazy(module: str, func: str):
+    def handler(args) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(module, __package__), func)(args)
+
+    return handler
+
+
+# ---- parser -------------------------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline",
+        description="Build, run, serve and benchmark a speculative-decoding DRAFT/TARGET pair from one YAML config.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="STAGE")
+
+    p = sub.add_parser("schema", help="print the config JSON Schema")
+    _common(p, config=False)
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("check", help="validate the config and the pair (tokenizers, architectures, lengths)")
+    _common(p)
+    p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("convert", help="HF checkpoints -> backend checkpoints (target and draft)")
+    _common(p)
+    p.add_argument("--force", action="store_true", help="redo even if up to date")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("build", help="convert (if needed) and build both engines")
+    _common(p)
+    p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the exact commands and files without running them (no TensorRT-LLM needed)")
+    p.set_defaults(func=cmd_build)
+
+    from .run_cmd import add_run_parser
+
+    add_run_parser(sub, _common)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except PipelineError as exc:
+        if args.debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,202 @@
+"""Typed pipeline configuration, loaded from one YAML file and validated before any work starts.
+
+Every section is a pydantic model with ``extra="forbid"``, so a misspelt key is an error rather than a silently
+ignored setting. Validation errors are rewritten by :func:`load_config` into one line per problem that names the
+field, the bad value and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import ConfigError
+
+# K beyond this gives no measurable benefit (acceptance decays geometrically with position) and TensorRT-LLM's
+# draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
+MAX_DRAFT_LEN_LIMIT = 16
+
+Dtype = Literal["float32", "float16", "bfloat16"]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSpec(_Section):
+    """One model of the pair: a Hugging Face id or a local folder."""
+
+    model: str = Field(description="Hugging Face repo id (org/name) or a local folder; relative paths are "
+                                   "resolved against the folder that holds the config file.")
+    revision: str | None = Field(None, description="Hub branch, tag or commit; ignored for local folders.")
+    dtype: Dtype = Field("bfloat16", description="Weight and activation dtype of the built engine.")
+    trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by "
+                                                       "default: it executes code from the model repository.")
+    allow_pickle: bool = Field(False, description="Allow loading *.bin/*.pt pickle weights when no safetensors "
+                                                  "exist. Off by default: unpickling can execute code.")
+
+    @field_validator("model")
+    @classmethod
+    def _model_not_empty(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("must name a Hugging Face id (org/name) or a local folder")
+        return value
+
+
+class SpeculativeSpec(_Section):
+    max_draft_len: int = Field(4, description="K: draft tokens proposed per target step.")
+    acceptance: Literal["greedy", "rejection"] = Field(
+        "rejection",
+        description="How the target checks draft tokens under sampling: 'rejection' compares probabilities "
+                    "(needs draft logits), 'greedy' keeps the prefix equal to the target's own tokens. Both keep "
+                    "the target's distribution; at temperature 0 both are exact greedy decoding.")
+
+    @field_validator("max_draft_len")
+    @classmethod
+    def _k_in_range(cls, value: int) -> int:
+        if not 1 <= value <= MAX_DRAFT_LEN_LIMIT:
+            raise ValueError(f"must be between 1 and {MAX_DRAFT_LEN_LIMIT}; 3 to 6 is typical")
+        return value
+
+
+class ParallelSpec(_Section):
+    tp: int = Field(1, ge=1, description="Tensor-parallel ranks of the target.")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel ranks of the target.")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+class KVCacheSpec(_Section):
+    paged: bool = Field(True, description="Paged KV cache (required by draft_tokens_external on TensorRT-LLM).")
+    tokens_per_block: int = Field(64, description="Tokens per KV block (power of two).")
+    free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0,
+                                         description="Share of free GPU memory the KV cache may take.")
+    enable_block_reuse: bool = Field(True, description="Reuse KV blocks across requests and draft steps.")
+
+    @field_validator("tokens_per_block")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value < 1 or value & (value - 1):
+            raise ValueError("must be a power of two such as 32, 64 or 128")
+        return value
+
+
+class QuantizationSpec(_Section):
+    mode: Literal["none", "fp8", "int8_weight_only", "int4_awq"] = Field(
+        "none", description="Weight quantization of the target (the draft stays in its dtype).")
+    kv_cache: Literal["none", "fp8", "int8"] = Field("none", description="KV-cache quantization.")
+
+
+class BuildSpec(_Section):
+    max_batch_size: int = Field(8, ge=1)
+    max_input_len: int = Field(1024, ge=1, description="Longest prompt in tokens.")
+    max_seq_len: int = Field(2048, ge=2, description="Prompt plus generated tokens.")
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
+    quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
+
+    @model_validator(mode="after")
+    def _input_fits(self) -> BuildSpec:
+        if self.max_input_len >= self.max_seq_len:
+            raise ValueError(
+                f"build.max_input_len: {self.max_input_len} must be below build.max_seq_len "
+                f"({self.max_seq_len}); raise max_seq_len or lower max_input_len")
+        return self
+
+
+class RuntimeSpec(_Section):
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="torch backend device; auto = cuda if "
+                                                                       "available.")
+    target_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the target (trtllm).")
+    draft_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the draft (trtllm).")
+
+
+class ServeSpec(_Section):
+    bind_address: str = Field("127.0.0.1", description="Address tritonserver listens on. Loopback by default; "
+                                                       "set 0.0.0.0 deliberately to expose it.")
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(8001, ge=1, le=65535)
+    metrics_port: int = Field(8002, ge=1, le=65535)
+    instances: int = Field(1, ge=1, description="Model instances (Python backend) per model.")
+    max_queue_delay_us: int = Field(0, ge=0, description="Dynamic batching delay.")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServeSpec:
+        ports = [self.http_port, self.grpc_port, self.metrics_port]
+        if len(set(ports)) != 3:
+            raise ValueError(f"serve ports must differ, got http {ports[0]}, grpc {ports[1]}, metrics {ports[2]}")
+        return self
+
+
+class PipelineConfig(_Section):
+    name: str = Field(description="Names the output folder engines/<name>/.", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    backend: Literal["torch", "trtllm"] = "torch"
+    target: ModelSpec
+    draft: ModelSpec
+    speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
+    build: BuildSpec = Field(default_factory=BuildSpec)
+    runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
+    serve: ServeSpec = Field(default_factory=ServeSpec)
+
+    # Set by load_config, not by the YAML: where relative model paths are resolved from.
+    _base_dir: Path = Path(".")
+
+    @property
+    def base_dir(self) -> Path:
+        return self._base_dir
+
+    def resolved(self) -> dict:
+        """The config as plain data, the form stored in manifests (no secrets live in the config)."""
+        return json.loads(self.model_dump_json())
+
+
+def _format_error(err: dict, data: object) -> str:
+    loc = ".".join(str(part) for part in err["loc"]) or "<config>"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        return f"{loc}: unknown key; remove it or check the spelling (see `python -m pipeline schema`)"
+    if err["type"] == "missing":
+        return f"{loc}: required but missing; add it to the config"
+    value = err.get("input")
+    if msg.startswith(loc.split(".")[0] + "."):  # model-level validator already named the field
+        return msg
+    return f"{loc}: {value!r} is invalid: {msg}"
+
+
+def parse_config(data: object, source: str = "<config>", base_dir: Path | None = None) -> PipelineConfig:
+    """Validate already-parsed YAML data; errors become one ConfigError listing every problem."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sections (name, backend, target, draft, ...), "
+                          f"got {type(data).__name__}")
+    try:
+        config = PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = [_format_error(e, data) for e in exc.errors()]
+        raise ConfigError(f"{source}: " + "; ".join(lines)) from None
+    config._base_dir = (base_dir or Path(".")).resolve()
+    return config
+
+
+def load_config(path: str | Path) -> PipelineConfig:
+    """Read and validate a YAML config; relative model paths resolve against the file's folder."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; pass a YAML file such as configs/tiny.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}; fix the syntax") from None
+    return parse_config(data, source=str(path), base_dir=path.parent)
+
+
+def json_schema() -> dict:
+    return PipelineConfig.model_json_schema()

@@ -1,0 +1,114 @@
+"""What a generation returns: tokens, text and acceptance statistics (first-class, on every result)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from ..errors import PipelineError
+
+
+class RequestError(PipelineError, ValueError):
+    """A request the engine cannot serve (prompt too long, bad sampling value); the runtime stays usable."""
+
+
+class _ItemAccess:
+    """Results read as attributes (result.text) or as mapping keys (result["text"])."""
+
+    def __getitem__(self, key: str):
+        if key not in self.keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.keys()
+
+    def get(self, key: str, default=None):
+        return getattr(self, key) if key in self.keys() else default
+
+    def keys(self) -> list[str]:
+        return list(self.to_dict())
+
+
+@dataclass
+class GenerationStats(_ItemAccess):
+    """Acceptance statistics of one request, or of many added together."""
+
+    draft_tokens: int = 0  # tokens the draft proposed
+    accepted_tokens: int = 0  # proposed tokens the target kept
+    target_steps: int = 0  # target forward passes (each emits accepted + 1 tokens)
+    generated_tokens: int = 0  # tokens emitted (after EOS/length truncation)
+    drafted_at: list[int] = field(default_factory=list)  # [K] proposals per draft position
+    accepted_at: list[int] = field(default_factory=list)  # [K] acceptances per draft position
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0 when nothing was drafted)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_len(self) -> float:
+        """Tokens emitted per target forward pass; 1.0 is plain decoding."""
+        return self.generated_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        grow = drafted - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafted):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.target_steps += 1
+
+    def merge(self, other: GenerationStats) -> GenerationStats:
+        total = GenerationStats(self.draft_tokens + other.draft_tokens,
+                                self.accepted_tokens + other.accepted_tokens,
+                                self.target_steps + other.target_steps,
+                                self.generated_tokens + other.generated_tokens)
+        width = max(len(self.drafted_at), len(other.drafted_at))
+        pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
+        total.drafted_at = [a + b for a, b in zip(pad(self.drafted_at), pad(other.drafted_at))]
+        total.accepted_at = [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))]
+        return total
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(acceptance_rate=self.acceptance_rate, mean_accepted_len=self.mean_accepted_len,
+                    acceptance_by_position=self.acceptance_by_position)
+        return data
+
+    def summary(self) -> str:
+        by_pos = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
+        return (f"drafted {self.draft_tokens}, accepted {self.accepted_tokens} "
+                f"(acceptance {self.acceptance_rate:.2f}), {self.target_steps} target steps, "
+                f"{self.mean_accepted_len:.2f} tokens/step" + (f", by position [{by_pos}]" if by_pos else ""))
+
+
+@dataclass
+class GenerationResult(_ItemAccess):
+    token_ids: list[int]  # generated tokens only (no prompt)
+    text: str
+    stats: GenerationStats
+    finish_reason: str  # "eos" | "stop" | "length"
+    prompt_tokens: int = 0
+
+    def to_dict(self) -> dict:
+        return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict(),
+                "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens}
+
+
+@dataclass
+class StreamEvent:
+    """One target step's worth of output, yielded as soon as it is accepted."""
+
+    token_ids: list[int]  # tokens added by this step
+    text: str  # text added by this step (may lag a step behind on a split multi-byte character)
+    finished: bool
+    finish_reason: str | None
+    stats: GenerationStats  # running totals for this request

@@ -1,0 +1,165 @@
+"""Find a model's files (local folder or Hugging Face hub) and load its config, tokenizer and weights safely."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import ModelSpec
+from .errors import ModelError
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+METADATA_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.py"]
+SAFE_WEIGHTS = ["*.safetensors"]
+PICKLE_WEIGHTS = ["*.bin", "*.pt", "*.pth"]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    role: str  # "target" or "draft": names the config field in every error
+    spec: ModelSpec
+    path: Path  # folder holding config.json, tokenizer and weights
+    source: str  # "local" or "hub"
+    revision: str | None  # hub commit the files came from; None for local folders
+
+    @property
+    def field(self) -> str:
+        return f"{self.role}.model"
+
+
+def hub_offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith(("/", "./", "../", "~")) or not _HUB_ID.match(name)
+
+
+def resolve_model(spec: ModelSpec, role: str, base_dir: Path, with_weights: bool = True) -> ResolvedModel:
+    """Return the folder of a model; downloads from the hub (or reads its cache) for hub ids.
+
+    ``with_weights=False`` fetches only config and tokenizer files, which is all the `check` stage needs.
+    """
+    name = spec.model
+    local = (base_dir / os.path.expanduser(name)).resolve()
+    if local.is_dir():
+        return ResolvedModel(role, spec, local, "local", None)
+    if _looks_local(name):
+        raise ModelError(f"{role}.model: folder {local} does not exist; fix the path (relative paths resolve "
+                         f"against the config file's folder) or run the script that creates it")
+    return _download(spec, role, with_weights)
+
+
+def _download(spec: ModelSpec, role: str, with_weights: bool) -> ResolvedModel:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+
+    patterns = list(METADATA_PATTERNS)
+    if with_weights:
+        patterns += SAFE_WEIGHTS + (PICKLE_WEIGHTS if spec.allow_pickle else [])
+    offline = hub_offline()
+    try:
+        folder = snapshot_download(spec.model, revision=spec.revision, allow_patterns=patterns,
+                                   local_files_only=offline)
+    except LocalEntryNotFoundError:
+        how = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
+        raise ModelError(f"{role}.model: {spec.model!r} is not in the local Hugging Face cache and {how}; "
+                         f"download it on a connected machine (huggingface-cli download {spec.model}) "
+                         f"or point {role}.model at a local folder") from None
+    except GatedRepoError:
+        raise ModelError(f"{role}.model: {spec.model!r} is gated; accept its licence on the hub and set HF_TOKEN "
+                         f"in the environment (it is never written to manifests)") from None
+    except RepositoryNotFoundError:
+        raise ModelError(f"{role}.model: no hub repository {spec.model!r}; check the id or use a local "
+                         f"folder") from None
+    except RevisionNotFoundError:
+        raise ModelError(f"{role}.revision: {spec.revision!r} does not exist in {spec.model}; use a branch, "
+                         f"tag or commit of that repository") from None
+    except (OSError, ValueError) as exc:  # connection errors surface as OSError subclasses
+        raise ModelError(f"{role}.model: downloading {spec.model!r} failed ({type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0][:200]}); check the network or pre-download it") from None
+    path = Path(folder)
+    return ResolvedModel(role, spec, path, "hub", path.name)
+
+
+def read_hf_config(model: ResolvedModel) -> dict:
+    cfg = model.path / "config.json"
+    if not cfg.is_file():
+        raise ModelError(f"{model.field}: {model.path} has no config.json; point it at a Hugging Face model "
+                         f"folder (the one save_pretrained writes)")
+    try:
+        return json.loads(cfg.read_text())
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"{model.field}: {cfg} is not valid JSON ({exc.msg} at line {exc.lineno}); "
+                         f"restore the file") from None
+
+
+def weight_files(model: ResolvedModel) -> list[Path]:
+    """The weight files that would be loaded; refuses pickle files unless the config allows them."""
+    safe = sorted(model.path.glob("*.safetensors"))
+    if safe:
+        return safe
+    pickles = sorted(p for pattern in PICKLE_WEIGHTS for p in model.path.glob(pattern))
+    if pickles and not model.spec.allow_pickle:
+        raise ModelError(f"{model.field}: {model.path} has only pickle weights ({pickles[0].name}), which can run "
+                         f"code when loaded; convert them to safetensors or set {model.role}.allow_pickle: true")
+    if not pickles:
+        raise ModelError(f"{model.field}: {model.path} has no weights (*.safetensors); re-download or "
+                         f"re-save the model")
+    return pickles
+
+
+def warn_remote_code(model: ResolvedModel) -> None:
+    if model.spec.trust_remote_code:
+        warnings.warn(f"{model.role}.trust_remote_code is true: Python code from {model.spec.model} will run "
+                      f"on this machine", stacklevel=2)
+
+
+def load_tokenizer(model: ResolvedModel):
+    from transformers import AutoTokenizer
+
+    warn_remote_code(model)
+    try:
+        return AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.spec.trust_remote_code)
+    except Exception as exc:  # transformers raises many types for a broken tokenizer; all mean the same to a user
+        raise ModelError(f"{model.field}: the tokenizer in {model.path} cannot be loaded "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
+                         f"the tokenizer files are missing or truncated: re-save them with "
+                         f"tokenizer.save_pretrained") from None
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+
+
+def load_causal_lm(model: ResolvedModel, dtype: str, device: str = "cpu"):
+    """Load an HF causal LM from safetensors (pickle only when explicitly allowed), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # one bar per weight file is noise; our stages report their own progress
+    files = weight_files(model)
+    warn_remote_code(model)
+    use_safetensors = files[0].suffix == ".safetensors"
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(
+            model.path, dtype=torch_dtype(dtype), use_safetensors=use_safetensors,
+            trust_remote_code=model.spec.trust_remote_code)
+    except Exception as exc:  # corrupt safetensors, shape mismatch, unknown architecture...
+        text = str(exc).splitlines()[0][:200] if str(exc) else ""
+        raise ModelError(f"{model.field}: loading weights from {model.path} failed ({type(exc).__name__}: "
+                         f"{text}); the files may be corrupt or incomplete: re-download or re-save them") from None
+    return lm.to(device).eval()
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)

@@ -1,0 +1,80 @@
+"""`python -m pipeline run CONFIG`: generate from prompts with the built engines; print text and statistics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import PipelineError
+
+
+def add_run_parser(sub, common) -> None:
+    p = sub.add_parser("run", help="generate from prompts with the built engines; prints text and acceptance")
+    common(p)
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompts-file", type=Path, help="file with one prompt per line (or a JSON list of strings)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-draft-len", type=int, default=None, help="K for this run (0 = target only)")
+    p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (first prompt)")
+    p.add_argument("--json", action="store_true", help="print results as JSON")
+    p.set_defaults(func=cmd_run)
+
+
+def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
+    found = list(prompts)
+    if prompts_file is not None:
+        if not prompts_file.is_file():
+            raise PipelineError(f"--prompts-file: {prompts_file} not found")
+        text = prompts_file.read_text()
+        if text.lstrip().startswith("["):
+            found += [str(p) for p in json.loads(text)]
+        else:
+            found += [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not found:
+        raise PipelineError("run: no prompts; pass --prompt TEXT or --prompts-file FILE")
+    return found
+
+
+def load_executor(config, engines_dir: Path):
+    from .executor import SpeculativeExecutor
+
+    device = None if config.runtime.device == "auto" else config.runtime.device
+    return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device)
+
+
+def cmd_run(args) -> int:
+    import sys
+
+    from .config import load_config
+    from .executor import GenerationStats
+
+    config = load_config(args.config)
+    prompts = read_prompts(args.prompt, args.prompts_file)
+    executor = load_executor(config, args.engines_dir)
+    options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                   top_p=args.top_p, seed=args.seed, max_draft_len=args.max_draft_len)
+    if args.stream:
+        print(prompts[0], end="", flush=True)
+        event = None
+        for event in executor.generate_stream(prompts[0], **options):
+            print(event.text, end="", flush=True)
+        print()
+        if event is not None:
+            print(f"[{event.finish_reason}] {event.stats.summary()}")
+        return 0
+    results = executor.generate(prompts, **options)
+    if args.json:
+        print(json.dumps([r.to_dict() for r in results], indent=2))
+        return 0
+    total = GenerationStats()
+    for i, (prompt, result) in enumerate(zip(prompts, results)):
+        print(f"--- prompt {i} ({result.prompt_tokens} tokens) ---")
+        print(prompt + result.text)
+        print(f"[{result.finish_reason}, {len(result.token_ids)} tokens] {result.stats.summary()}")
+        total = total.merge(result.stats)
+    print(f"=== total: {total.summary()}", file=sys.stdout)
+    return 0

@@ -1,0 +1,87 @@
+"""Accept rules: which of the draft's K proposed tokens the target keeps, and which token it adds.
+
+Terms, used throughout:
+  draft tokens   the K tokens the draft proposed for one sequence, in order;
+  accepted       the longest prefix of draft tokens the target keeps (``num_accepted`` of them, 0..K);
+  recovered      the token the target emits in place of the first rejected draft token;
+  bonus          the token the target emits after all K were accepted (from its distribution at position K+1).
+  output = accepted + one recovered or bonus token, so every target step emits num_accepted + 1 tokens.
+
+Output layout (all functions): ``output_tokens [B, K+1]`` holds the emitted tokens left-aligned and -1 after the
+recovered/bonus token; ``num_accepted [B]``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+PAD = -1
+
+
+def _assemble(draft_tokens: Tensor, num_accepted: Tensor, extra: Tensor) -> Tensor:
+    """Accepted draft prefix, then ``extra`` at position num_accepted, then PAD."""
+    batch, k = draft_tokens.shape
+    positions = torch.arange(k + 1, device=draft_tokens.device)  # [K+1]
+    padded = torch.cat([draft_tokens, draft_tokens.new_full((batch, 1), PAD)], dim=1)  # [B, K+1]
+    output = torch.where(positions[None, :] < num_accepted[:, None], padded, PAD)
+    return output.scatter(1, num_accepted[:, None], extra[:, None])
+
+
+def _prefix_length(keep: Tensor) -> Tensor:
+    """Length of the leading run of True per row. keep: [B, K] bool -> [B] long."""
+    return keep.long().cumprod(dim=1).sum(dim=1)
+
+
+def accept_matching(draft_tokens: Tensor, target_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    """Keep draft tokens while they equal the target's own tokens; then emit the target's token.
+
+    draft_tokens: [B, K] long; target_tokens: [B, K+1] long, the target's choice at each position given the
+    draft prefix before it (argmax for greedy, a sample from the target distribution otherwise: both lossless).
+    """
+    k = draft_tokens.shape[1]
+    num_accepted = _prefix_length(draft_tokens == target_tokens[:, :k])  # [B]
+    extra = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
+    return _assemble(draft_tokens, num_accepted, extra), num_accepted
+
+
+def accept_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy verification: output is exactly what target-only greedy decoding would produce.
+
+    draft_tokens: [B, K] long; target_logits: [B, K+1, V].
+    """
+    return accept_matching(draft_tokens, target_logits.argmax(dim=-1))
+
+
+def accept_rejection(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
+                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Modified rejection sampling (Leviathan et al. 2023; Chen et al. 2023): emitted tokens follow the target.
+
+    draft_tokens: [B, K] long, sampled from draft_probs;
+    draft_probs:  [B, K, V], the draft distribution each draft token was sampled from;
+    target_probs: [B, K+1, V], the target distribution at each draft position plus one (for the bonus token).
+
+    Draft token x at position i is kept with probability min(1, target(x) / draft(x)); a draft probability of 0
+    counts as a rejection. At the first rejection the recovered token is drawn from
+    normalize(max(0, target - draft)); when all K are kept the bonus token is drawn from target_probs[:, K].
+    """
+    batch, k = draft_tokens.shape
+    index = draft_tokens.unsqueeze(-1)  # [B, K, 1]
+    draft_p = draft_probs.gather(-1, index).squeeze(-1)  # [B, K]
+    target_p = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, K]
+    uniform = torch.rand(batch, k, generator=generator, device=draft_probs.device, dtype=draft_p.dtype)
+    # u < target/draft written without the division, so draft_p == 0 (rejected) and draft == target never NaN.
+    keep = (draft_p > 0) & (uniform * draft_p < target_p)  # [B, K]
+    num_accepted = _prefix_length(keep)  # [B]
+
+    # The bonus position has no draft distribution: a zero row makes the residual equal to the target itself.
+    draft_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
+    rows = torch.arange(batch, device=draft_probs.device)
+    target_at = target_probs[rows, num_accepted]  # [B, V]
+    residual = (target_at - draft_padded[rows, num_accepted]).clamp_min(0)  # [B, V]
+    mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
+    # A zero residual only arises when the rejected token had draft probability 0 and the rest matched: the target
+    # distribution is then the right one to draw from.
+    final = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), target_at)
+    extra = torch.multinomial(final, 1, generator=generator).squeeze(1)  # [B]
+    return _assemble(draft_tokens, num_accepted, extra), num_accepted

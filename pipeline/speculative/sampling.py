@@ -1,0 +1,61 @@
+"""Sampling controls, applied identically to the draft and the target before acceptance.
+
+Rejection sampling is lossless with respect to whatever distribution both sides use, so temperature, top-k and
+top-p must transform the draft's and the target's logits the same way; the result is then exactly the target's
+temperature/top-k/top-p distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy (argmax); no randomness at all
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # 1 = no nucleus cut
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature: {self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"top_k: {self.top_k} must be >= 0 (0 disables it)")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: {self.top_p} must be in (0, 1] (1 disables it)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
+    """logits: [..., V] -> probabilities [..., V] (float32) after temperature, top-k and top-p.
+
+    Greedy params give a one-hot distribution on the argmax, so callers can treat both modes alike.
+    """
+    logits = logits.float()
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
+        # Drop a token when the tokens ranked above it already reach top_p; the top token always stays.
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """probs: [N, V] -> one token per row [N] (long)."""
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -1,0 +1,107 @@
+"""check, convert and build for both roles, each output under engines/<name>/<role>/<stage>/ with a manifest.
+
+A later stage reads the earlier stage's manifest (never the user's YAML again) and keys its own output on that
+manifest's input key, so editing the config or the source model invalidates exactly what depends on it.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage
+from .backends import get_backend
+from .checks import CheckReport, check_pair
+from .config import PipelineConfig
+from .errors import EngineError
+from .models import resolve_model, weight_files
+
+ROLES = ("target", "draft")
+
+
+@dataclass
+class Layout:
+    """Where a config's artifacts live."""
+
+    root: Path  # engines/<name>
+
+    @classmethod
+    def for_config(cls, config: PipelineConfig, engines_dir: Path) -> Layout:
+        return cls(engines_dir / config.name)
+
+    def stage_dir(self, role: str, stage: str) -> Path:
+        return self.root / role / stage
+
+
+def run_check(config: PipelineConfig) -> CheckReport:
+    report = check_pair(config)
+    for line in report.ok:
+        print(f"  ok       {line}")
+    for line in report.warnings:
+        print(f"  warning  {line}")
+    report.raise_if_failed()
+    return report
+
+
+def _role_config(config: PipelineConfig, role: str) -> dict:
+    """The part of the config a role's output depends on; the other role's settings must not invalidate it."""
+    data = config.resolved()
+    return {"name": config.name, "backend": config.backend, "model": data[role],
+            "speculative": data["speculative"], "build": data["build"]}
+
+
+def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False) -> StageResult:
+    model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=True)
+    weight_files(model)  # refuses pickle-only folders before anything is hashed or loaded
+    inputs = {"model_files": content_hashes(model.path), "revision": model.revision}
+    backend = get_backend(config.backend)
+    role_cfg = _role_config(config, role)
+    role_cfg.pop("speculative")  # a conversion does not depend on K
+    return run_stage("convert", role, layout.stage_dir(role, "convert"), inputs, role_cfg,
+                     lambda tmp: backend.convert(config, role, model, tmp), force=force)
+
+
+def _completed(layout: Layout, role: str, stage: str) -> dict:
+    folder = layout.stage_dir(role, stage)
+    manifest = read_manifest(folder) if folder.exists() else None
+    if manifest is None:
+        raise EngineError(f"{folder}: no completed {stage} output; run `python -m pipeline {stage} CONFIG` first")
+    return manifest
+
+
+def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
+               dry_run: bool = False) -> StageResult | list[str]:
+    backend = get_backend(config.backend)
+    checkpoint_dir = layout.stage_dir(role, "convert")
+    out_dir = layout.stage_dir(role, "build")
+    if dry_run:
+        return backend.build_plan(config, role, checkpoint_dir, out_dir)
+    convert_manifest = _completed(layout, role, "convert")
+    inputs = {"convert_key": convert_manifest["input_key"], "convert_outputs": convert_manifest["outputs"]}
+    return run_stage("build", role, out_dir, inputs, _role_config(config, role),
+                     lambda tmp: backend.build(config, role, checkpoint_dir, tmp), force=force)
+
+
+def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...], force: bool = False
+               ) -> list[StageResult]:
+    """Run convert and/or build for both roles under the config's build lock; prints a summary."""
+    layout = Layout.for_config(config, engines_dir)
+    results: list[StageResult] = []
+    with build_lock(layout.root):
+        for stage in stages:
+            for role in ROLES:
+                print(f"[{stage}] {role}: {getattr(config, role).model}", file=sys.stderr, flush=True)
+                step = convert_role if stage == "convert" else build_role
+                result = step(config, layout, role, force=force)
+                print(f"[{stage}] {role}: {result.status} ({result.seconds:.1f}s) -> {result.path}",
+                      file=sys.stderr, flush=True)
+                results.append(result)
+    return results
+
+
+def summary(results: list[StageResult]) -> str:
+    lines = [f"{'stage':8} {'role':7} {'status':11} {'seconds':>8}  path"]
+    for r in results:
+        lines.append(f"{r.stage:8} {r.role:7} {r.status:11} {r.seconds:8.1f}  {r.path}")
+    return "\n".join(lines)
