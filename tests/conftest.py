@@ -1,0 +1,82 @@
+"""Shared fixtures: a tiny pair made once per session, configs that point at it, and built engines."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory) -> Path:
+    """models folder with target/ and draft/ (shared tokenizer); briefly trained so acceptance is non-trivial."""
+    from pipeline.tinymodels import TinyPairSpec, make_tiny_pair
+
+    out = tmp_path_factory.mktemp("tiny_pair")
+    make_tiny_pair(out, TinyPairSpec(target_steps=40, draft_steps=40, text_bytes=600_000, batch_size=8))
+    return out
+
+
+def tiny_config_dict(pair: Path, name: str = "tiny-test", **overrides) -> dict:
+    data = {
+        "name": name,
+        "backend": "torch",
+        "target": {"model": str(pair / "target"), "dtype": "float32"},
+        "draft": {"model": str(pair / "draft"), "dtype": "float32"},
+        "speculative": {"max_draft_len": 4, "acceptance": "rejection"},
+        "build": {"max_batch_size": 4, "max_input_len": 256, "max_seq_len": 512},
+        "runtime": {"device": "cpu"},
+    }
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return data
+
+
+def write_config(folder: Path, data: dict) -> Path:
+    path = folder / f"{data['name']}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def tiny_config(tiny_pair, tmp_path) -> Path:
+    return write_config(tmp_path, tiny_config_dict(tiny_pair))
+
+
+@pytest.fixture(scope="session")
+def built_engines(tiny_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(config path, engines dir) with convert + build done for the tiny pair; shared, treat as read-only."""
+    from pipeline.config import load_config
+    from pipeline.stages import run_stages
+
+    folder = tmp_path_factory.mktemp("built")
+    config_path = write_config(folder, tiny_config_dict(tiny_pair, name="tiny-built"))
+    engines = folder / "engines"
+    run_stages(load_config(config_path), engines, ("convert", "build"))
+    return config_path, engines
+
+
+def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int = 300):
+    """Run `python -m pipeline ...` in a subprocess; returns CompletedProcess (text)."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+    return subprocess.run([PY, "-m", "pipeline", *args], cwd=cwd, env=full_env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def copy_tree(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
