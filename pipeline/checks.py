@@ -8,12 +8,16 @@ from .config import MAX_DRAFT_LEN_LIMIT, PipelineConfig
 from .errors import CompatibilityError
 from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model
 
-# Architectures TensorRT-LLM 1.2's checkpoint converters handle for the draft-target path (tensorrt_llm/models
-# MODEL_MAP); the torch backend accepts any architecture transformers can load as a causal LM.
+# Architectures TensorRT-LLM 1.2's checkpoint converters handle for the draft-target path: the decoder-only
+# causal-LM keys of tensorrt_llm/models/__init__.py MODEL_MAP (encoders, vision and Medusa/EAGLE/ReDrafter heads
+# left out); tests/data/trtllm_1.2.1_api.json records the map. The torch backend accepts any causal LM.
 TRTLLM_ARCHITECTURES = {
-    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "GemmaForCausalLM", "Gemma2ForCausalLM", "Phi3ForCausalLM", "FalconForCausalLM", "GPTNeoXForCausalLM",
-    "GPTJForCausalLM", "GPT2LMHeadModel", "InternLM2ForCausalLM", "DeciLMForCausalLM",
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "InternLM2ForCausalLM", "GraniteForCausalLM",
+    "ExaoneForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "PhiForCausalLM", "FalconForCausalLM",
+    "GPTNeoXForCausalLM", "GPTJForCausalLM", "GPT2LMHeadModel", "GPTBigCodeForCausalLM", "Starcoder2ForCausalLM",
+    "NemotronForCausalLM", "BloomForCausalLM", "OPTForCausalLM", "BaichuanForCausalLM", "DeciLMForCausalLM",
+    "DeepseekForCausalLM", "CohereForCausalLM", "DbrxForCausalLM", "MPTForCausalLM",
 }
 
 _POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")

@@ -96,9 +96,13 @@ class SpeculativeExecutor:
     # ---- public API -----------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, max_draft_len: int | None = None,
+                 top_p: float = 1.0, seed: int | None = None, max_draft_len: int | str | None = None,
                  stop_token_ids: Sequence[int] | None = None) -> list[GenerationResult]:
-        """Generate for each prompt (a string or a list of token ids); one result per prompt, in order."""
+        """Generate for each prompt (a string or a list of token ids); one result per prompt, in order.
+
+        ``max_draft_len``: K for this call (0 = target-only decoding on the same runtime, "auto" = dynamic K
+        that follows the observed acceptance, up to the executor's K); None uses the executor's K.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts: pass a list of prompts (strings or token-id lists), not a single prompt")
         generator = self._generator(seed)
@@ -116,7 +120,7 @@ class SpeculativeExecutor:
         return results
 
     def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                        top_p: float = 1.0, seed: int | None = None, max_draft_len: int | None = None,
+                        top_p: float = 1.0, seed: int | None = None, max_draft_len: int | str | None = None,
                         stop_token_ids: Sequence[int] | None = None) -> Iterator[StreamEvent]:
         """Yield tokens as each target step accepts them (one event per step)."""
         yield from self._stream(prompt, max_new_tokens, temperature, top_k, top_p, self._generator(seed),
@@ -167,11 +171,19 @@ class SpeculativeExecutor:
                                f"{max(self.max_seq_len - len(prompt_ids), 0)} new tokens")
 
     def _stream(self, prompt: Prompt, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator, max_draft_len: int | None, stop_token_ids) -> Iterator[StreamEvent]:
-        params = SamplingParams(float(temperature), int(top_k), float(top_p))
-        k_max = self.max_draft_len if max_draft_len is None else int(max_draft_len)
+                generator: torch.Generator, max_draft_len: int | str | None, stop_token_ids
+                ) -> Iterator[StreamEvent]:
+        try:
+            params = SamplingParams(float(temperature), int(top_k), float(top_p))
+        except ValueError as exc:  # the request is bad, not the program: report it as such
+            raise RequestError(str(exc)) from None
+        dynamic = max_draft_len == "auto"
+        if not (max_draft_len is None or dynamic or isinstance(max_draft_len, int)):
+            raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
+        k_max = self.max_draft_len if max_draft_len is None or dynamic else max_draft_len
         seq = self.encode(prompt)
         self._validate(seq, int(max_new_tokens), k_max)
+        k_now = k_max
         stops = set(self.eos_token_ids) | set(stop_token_ids or ())
         stats = GenerationStats()
         self.target.reset()
@@ -181,9 +193,11 @@ class SpeculativeExecutor:
         text_sent = ""
         while len(generated) < max_new_tokens:
             # Never draft more than can be emitted: a step emits up to k + 1 tokens.
-            k = min(k_max, max_new_tokens - len(generated) - 1)
+            k = min(k_now, max_new_tokens - len(generated) - 1)
             new_tokens, accepted = self._step(seq, k, params, generator)
             stats.record_step(k, accepted)
+            if dynamic and k > 0:
+                k_now = next_draft_len(k_now, k, accepted, k_max)
             reason = None
             for i, token in enumerate(new_tokens):
                 if token in stops:
@@ -243,6 +257,17 @@ class SpeculativeExecutor:
         if self.draft is not None:
             self.draft.rollback(base + accepted)
         return output[0, :accepted + 1].tolist(), accepted
+
+
+def next_draft_len(current: int, drafted: int, accepted: int, limit: int) -> int:
+    """Dynamic K: lengthen after a fully accepted step, shorten after a rejection (within 1..limit).
+
+    Drafting past the first rejection is wasted draft time, and a run of full acceptances means the draft is
+    tracking the target well; the additive rule follows acceptance within a few steps without overshooting.
+    """
+    if accepted == drafted:
+        return min(limit, current + 1)
+    return max(1, current - 1)
 
 
 def _auto_device() -> str:

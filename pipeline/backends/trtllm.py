@@ -1,0 +1,162 @@
+"""The TensorRT-LLM backend (pinned release 1.2.1): converter API -> checkpoint, `trtllm-build` -> engine, and the
+draft-target executor over two engines.
+
+tensorrt_llm is imported lazily: planning (`build --dry-run`) works anywhere, and every step that needs
+TensorRT-LLM or a GPU raises BackendUnavailable with one line saying what is missing and how to get it.
+Helpers live in trtllm_api (pinned facts, argv), trtllm_preflight (engine checks), trtllm_runtime (the loop)
+and trtllm_loading (ModelRunnerCpp).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ..config import PipelineConfig
+from ..errors import CompatibilityError, EngineError
+from ..models import ResolvedModel, load_tokenizer, read_hf_config
+from .trtllm_api import (PINNED_VERSION, build_argv, convert_calls, format_argv, import_tensorrt_llm,
+                         needs_generation_logits, require_cuda_gpu, require_trtllm_build, role_parallel)
+from .trtllm_loading import ENGINE_FILE, TOKENIZER_DIR
+from .trtllm_preflight import (check_context_logits, check_target_spec_mode, raise_if_problems,
+                               read_engine_config)
+from .trtllm_runtime import TrtllmSpeculativeExecutor
+
+__all__ = ["convert_plan", "convert", "build_plan", "build", "engine_info", "TrtllmSpeculativeExecutor",
+           "PINNED_VERSION"]
+
+BUILD_LOG = "trtllm-build.log"
+
+
+# ---- convert ---------------------------------------------------------------------------------------------------------
+
+def _converter_label(config: PipelineConfig, role: str) -> str:
+    # The class comes from the checkpoint's config.json at convert time; the plan never touches the hub.
+    return f"tensorrt_llm.models.MODEL_MAP[<architectures[0] of {getattr(config, role).model}>]"
+
+
+def convert_plan(config: PipelineConfig, role: str, out_dir: Path) -> list[str]:
+    """The converter calls `convert` will make, one line each (Python, not shell: there is no converter CLI)."""
+    label = _converter_label(config, role)
+    lines = [f"# convert {role}: {getattr(config, role).model} -> {out_dir} (TensorRT-LLM {PINNED_VERSION})"]
+    lines += [call.describe(getattr(config, role).model, out_dir, label) for call in convert_calls(config, role)]
+    return lines
+
+
+def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Path) -> dict:
+    """HF checkpoint -> TensorRT-LLM checkpoint (config.json + rank<r>.safetensors) plus the tokenizer."""
+    trtllm = import_tensorrt_llm(f"convert ({role})")
+    require_cuda_gpu(f"convert ({role})")
+    from tensorrt_llm.mapping import Mapping
+    from tensorrt_llm.models import MODEL_MAP
+    from tensorrt_llm.models.modeling_utils import QuantConfig
+    from tensorrt_llm.quantization.mode import QuantAlgo
+
+    arch = (read_hf_config(model).get("architectures") or ["<none>"])[0]
+    if arch not in MODEL_MAP:
+        raise CompatibilityError(f"{role}.model: architecture {arch} has no converter in TensorRT-LLM "
+                                 f"{trtllm.__version__} (tensorrt_llm.models.MODEL_MAP); use backend: torch or a "
+                                 f"supported family")
+    converter = MODEL_MAP[arch]
+    calls = convert_calls(config, role)
+    start = time.perf_counter()
+    for call in calls:
+        quant = QuantConfig(quant_algo=_algo(QuantAlgo, call.quant_algo),
+                            kv_cache_quant_algo=_algo(QuantAlgo, call.kv_cache_quant_algo))
+        _log(call.describe(str(model.path), out_dir, converter.__name__))
+        if call.method == "quantize":
+            converter.quantize(str(model.path), str(out_dir), dtype=call.dtype,
+                               mapping=Mapping(world_size=call.world_size, tp_size=call.tp, pp_size=call.pp),
+                               quant_config=quant)
+        else:
+            mapping = Mapping(world_size=call.world_size, rank=call.rank, tp_size=call.tp, pp_size=call.pp)
+            checkpoint = converter.from_hugging_face(str(model.path), call.dtype, mapping=mapping,
+                                                     quant_config=quant)
+            checkpoint.save_checkpoint(str(out_dir), save_config=call.rank == 0)
+            del checkpoint  # one rank's weights at a time: a 70B model does not fit twice in host memory
+    # The engine folder carries the tokenizer so the executor never goes back to the source model.
+    load_tokenizer(model).save_pretrained(out_dir / TOKENIZER_DIR)
+    spec = getattr(config, role)
+    return {"source": {"model": spec.model, "resolved_path": str(model.path), "kind": model.source,
+                       "revision": model.revision},
+            "converter": {"class": converter.__name__, "architecture": arch, "calls": [c.__dict__ for c in calls],
+                          "seconds": round(time.perf_counter() - start, 1)},
+            "trtllm_version": trtllm.__version__}
+
+
+def _algo(quant_algo_enum, name: str | None):
+    return getattr(quant_algo_enum, name) if name else None
+
+
+# ---- build -----------------------------------------------------------------------------------------------------------
+
+def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
+    return [format_argv(build_argv(config, role, checkpoint_dir, out_dir)),
+            f"# then write {out_dir / ENGINE_FILE}: {json.dumps(engine_info(config, role, PINNED_VERSION))}"]
+
+
+def engine_info(config: PipelineConfig, role: str, trtllm_version: str) -> dict:
+    """engine.json: what the executor and `deploy` need to know about an engine, without TensorRT-LLM."""
+    build = config.build
+    par = role_parallel(config, role)
+    return {
+        "backend": "trtllm", "role": role, "config_name": config.name, "dtype": getattr(config, role).dtype,
+        "max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
+        "max_seq_len": build.max_seq_len,
+        "max_draft_len": config.speculative.max_draft_len if role == "target" else 0,
+        "acceptance": config.speculative.acceptance, "tp": par.tp, "pp": par.pp, "trtllm_version": trtllm_version,
+        "gather_generation_logits": needs_generation_logits(config),
+        "kv_cache_free_gpu_mem_fraction": build.kv_cache.free_gpu_mem_fraction,
+        "enable_block_reuse": build.kv_cache.enable_block_reuse,
+        # Build-time defaults for the executor (runtime.* does not invalidate a build; from_engines can override).
+        "target_device_ids": list(config.runtime.target_device_ids),
+        "draft_device_ids": list(config.runtime.draft_device_ids),
+    }
+
+
+def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> dict:
+    """Run trtllm-build (argv logged and returned for the manifest), check the engine, write engine.json."""
+    argv = build_argv(config, role, checkpoint_dir, out_dir)
+    require_trtllm_build()
+    require_cuda_gpu(f"build ({role})")
+    if not (checkpoint_dir / "config.json").is_file():
+        raise EngineError(f"{checkpoint_dir}/config.json: missing; run `python -m pipeline convert CONFIG` first")
+    _log(f"[build] {role}: {format_argv(argv)}")
+    start = time.perf_counter()
+    log_path = out_dir / BUILD_LOG
+    with open(log_path, "w") as log:
+        log.write(format_argv(argv) + "\n")
+        log.flush()
+        code = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = log_path.read_text().strip().splitlines()[-1:] or ["(no output)"]
+        raise EngineError(f"trtllm-build for the {role} exited with status {code}: {tail[0][:200]}; the full "
+                          f"output is in {log_path}, rerun the logged command to reproduce")
+    engine_cfg = read_engine_config(out_dir)
+    k = config.speculative.max_draft_len if role == "target" else 0
+    raise_if_problems(check_target_spec_mode(engine_cfg, k) + check_context_logits(engine_cfg))
+    info = engine_info(config, role, engine_cfg.version or PINNED_VERSION)
+    info["architecture"] = engine_cfg.architecture
+    info["vocab_size"] = engine_cfg.vocab_size
+    tokenizer_src = checkpoint_dir / TOKENIZER_DIR
+    if tokenizer_src.is_dir():
+        import shutil
+
+        shutil.copytree(tokenizer_src, out_dir / TOKENIZER_DIR)
+        info["tokenizer_len"] = _tokenizer_len(out_dir / TOKENIZER_DIR)
+    (out_dir / ENGINE_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    return {"argv": argv, "command": format_argv(argv), "engine": info,
+            "build_seconds": round(time.perf_counter() - start, 1)}
+
+
+def _tokenizer_len(folder: Path) -> int:
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(folder))
+
+
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)

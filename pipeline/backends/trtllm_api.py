@@ -1,0 +1,186 @@
+"""Facts about the pinned TensorRT-LLM release, and the argv/converter calls we derive from a config.
+
+Everything here is pure (no TensorRT-LLM import), so `build --dry-run` and the contract tests run on any machine.
+The option names and choices were read from NVIDIA/TensorRT-LLM (tensorrt_llm/commands/build.py,
+tensorrt_llm/plugin/plugin.py, tensorrt_llm/models/__init__.py, tensorrt_llm/models/modeling_utils.py); the
+contract file tests/data/trtllm_1.2.1_api.json records them with provenance and the tests parse every argv we
+generate against it.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import PipelineConfig
+from ..errors import BackendUnavailable, ConfigError
+
+PINNED_VERSION = "1.2.1"
+TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+INSTALL_HINT = (f"run inside the Triton TRT-LLM container {TRITON_CONTAINER}, or `pip install .[trtllm]` "
+                f"(tensorrt-llm=={PINNED_VERSION}, served from NVIDIA's index https://pypi.nvidia.com)")
+
+# SpeculativeDecodingMode is an IntFlag (NONE=1, DRAFT_TOKENS_EXTERNAL=2, ...); Engine.save writes the int into
+# the engine's config.json build_config, and the C++ runtime reads it back as that integer.
+SPEC_MODE_DRAFT_TOKENS_EXTERNAL = 2
+
+# QuantAlgo member names (tensorrt_llm/quantization/mode.py) for our config's modes.
+WEIGHT_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8_weight_only": "W8A16", "int4_awq": "W4A16_AWQ"}
+KV_CACHE_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8": "INT8"}
+# QuantConfig._requires_calibration / _requires_modelopt_quantization: these go through
+# `<Model>ForCausalLM.quantize(...)` (calibration on a GPU, writes every rank itself) instead of from_hugging_face.
+CALIBRATED_WEIGHT_ALGOS = {"FP8", "W4A16_AWQ"}
+
+
+@dataclass(frozen=True)
+class RoleParallel:
+    tp: int
+    pp: int
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp
+
+
+def role_parallel(config: PipelineConfig, role: str) -> RoleParallel:
+    """The target uses build.parallel; the draft always runs on one GPU (it is small and latency-bound)."""
+    if role == "target":
+        return RoleParallel(config.build.parallel.tp, config.build.parallel.pp)
+    return RoleParallel(1, 1)
+
+
+def role_quant(config: PipelineConfig, role: str) -> tuple[str | None, str | None]:
+    """(weight QuantAlgo name, KV-cache QuantAlgo name); the draft stays unquantized so its logits stay exact."""
+    if role != "target":
+        return None, None
+    quant = config.build.quantization
+    return WEIGHT_QUANT_ALGO[quant.mode], KV_CACHE_QUANT_ALGO[quant.kv_cache]
+
+
+def needs_generation_logits(config: PipelineConfig) -> bool:
+    return config.speculative.acceptance == "rejection"
+
+
+def validate_for_trtllm(config: PipelineConfig) -> None:
+    """Refuse settings the pinned release silently overrides in ways that break draft_tokens_external."""
+    kv = config.build.kv_cache
+    if not kv.paged:
+        raise ConfigError("build.kv_cache.paged: false, but TensorRT-LLM's draft_tokens_external needs the paged KV "
+                          "cache (it reuses KV blocks between draft steps); set build.kv_cache.paged: true")
+    if config.build.quantization.kv_cache == "int8":
+        # tensorrt_llm/builder.py turns use_paged_context_fmha off for an int8 KV cache, which this method needs.
+        raise ConfigError("build.quantization.kv_cache: 'int8' makes trtllm-build disable paged context FMHA, which "
+                          "draft-target speculative decoding requires; use kv_cache: fp8 or none")
+
+
+# ---- trtllm-build ----------------------------------------------------------------------------------------------------
+
+def build_argv(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
+    """The exact `trtllm-build` argv for one role (same command for every TP/PP size: ranks come from the
+    checkpoint's config.json mapping)."""
+    validate_for_trtllm(config)
+    spec = getattr(config, role)
+    build = config.build
+    argv = [
+        "trtllm-build",
+        "--checkpoint_dir", str(checkpoint_dir),
+        "--output_dir", str(out_dir),
+        "--gemm_plugin", spec.dtype,
+        "--kv_cache_type", "paged",
+        "--tokens_per_block", str(build.kv_cache.tokens_per_block),
+        # Paged context FMHA is what lets the target reuse the KV blocks of the accepted prefix; without
+        # context FMHA the builder turns it off, so both are stated rather than left to defaults.
+        "--context_fmha", "enable",
+        "--use_paged_context_fmha", "enable",
+        "--max_batch_size", str(build.max_batch_size),
+        "--max_input_len", str(build.max_input_len),
+        "--max_seq_len", str(build.max_seq_len),
+    ]
+    if role == "target":
+        argv += ["--speculative_decoding_mode", "draft_tokens_external",
+                 "--max_draft_len", str(config.speculative.max_draft_len)]
+    if needs_generation_logits(config):
+        # build.py in this release logs that the flag is deprecated in favour of the runtime option, but still
+        # stores it in the engine, and examples/ngram/run_dtm_ngram.py asserts it on BOTH engines before it
+        # passes draft logits; we set it and also ask for logits at run time (belt and braces).
+        argv.append("--gather_generation_logits")
+    # Never --gather_context_logits: build.py raises when it is combined with --max_draft_len > 0.
+    return argv
+
+
+def format_argv(argv: list[str]) -> str:
+    return shlex.join(argv)
+
+
+# ---- checkpoint conversion -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConvertCall:
+    """One converter API call: `from_hugging_face` + `save_checkpoint` for one rank, or one `quantize` for all."""
+
+    method: str  # "from_hugging_face" or "quantize"
+    rank: int | None  # None when the call writes every rank
+    world_size: int
+    tp: int
+    pp: int
+    dtype: str
+    quant_algo: str | None
+    kv_cache_quant_algo: str | None
+
+    def describe(self, model: str, out_dir: Path, converter: str) -> str:
+        quant = (f"QuantConfig(quant_algo={_algo(self.quant_algo)}, "
+                 f"kv_cache_quant_algo={_algo(self.kv_cache_quant_algo)})")
+        if self.method == "quantize":
+            mapping = f"Mapping(world_size={self.world_size}, tp_size={self.tp}, pp_size={self.pp})"
+            return (f"{converter}.quantize({model!r}, {str(out_dir)!r}, dtype={self.dtype!r}, "
+                    f"mapping={mapping}, quant_config={quant})  # calibrates on a GPU, writes all ranks")
+        mapping = f"Mapping(world_size={self.world_size}, rank={self.rank}, tp_size={self.tp}, pp_size={self.pp})"
+        return (f"{converter}.from_hugging_face({model!r}, {self.dtype!r}, mapping={mapping}, "
+                f"quant_config={quant}).save_checkpoint({str(out_dir)!r}, save_config={self.rank == 0})")
+
+
+def _algo(name: str | None) -> str:
+    return f"QuantAlgo.{name}" if name else "None"
+
+
+def convert_calls(config: PipelineConfig, role: str) -> list[ConvertCall]:
+    validate_for_trtllm(config)
+    par = role_parallel(config, role)
+    weight_algo, kv_algo = role_quant(config, role)
+    dtype = getattr(config, role).dtype
+    if weight_algo in CALIBRATED_WEIGHT_ALGOS or kv_algo is not None:
+        return [ConvertCall("quantize", None, par.world_size, par.tp, par.pp, dtype, weight_algo, kv_algo)]
+    return [ConvertCall("from_hugging_face", rank, par.world_size, par.tp, par.pp, dtype, weight_algo, kv_algo)
+            for rank in range(par.world_size)]
+
+
+# ---- availability ------------------------------------------------------------------------------------------------------
+
+def import_tensorrt_llm(what: str):
+    """Import tensorrt_llm or raise BackendUnavailable naming what is missing and how to get it."""
+    try:
+        import tensorrt_llm
+    except ImportError as exc:
+        missing = getattr(exc, "name", None) or "tensorrt_llm"
+        raise BackendUnavailable(f"{what} needs TensorRT-LLM {PINNED_VERSION}, but `import tensorrt_llm` failed "
+                                 f"(missing {missing}); {INSTALL_HINT}") from None
+    return tensorrt_llm
+
+
+def require_cuda_gpu(what: str) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise BackendUnavailable(f"{what} needs an NVIDIA GPU with CUDA, and torch sees none on this machine; "
+                                 f"run it on a GPU box, {INSTALL_HINT.removeprefix('run ')}")
+
+
+def require_trtllm_build() -> str:
+    import shutil
+
+    path = shutil.which("trtllm-build")
+    if path is None:
+        raise BackendUnavailable(f"build needs the `trtllm-build` command of TensorRT-LLM {PINNED_VERSION}, which "
+                                 f"is not on PATH; {INSTALL_HINT}")
+    return path

@@ -1,0 +1,116 @@
+"""Open a pair of built TensorRT-LLM engines: pre-flight checks, then one ModelRunnerCpp per engine.
+
+The only module that touches tensorrt_llm's runtime API (imported lazily, inside functions).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..artifacts import read_manifest
+from ..errors import EngineError
+from .trtllm_api import import_tensorrt_llm, require_cuda_gpu
+from .trtllm_preflight import preflight, raise_if_problems, read_engine_config
+from .trtllm_runtime import EngineLimits, EngineOutput, Sampling
+
+ENGINE_FILE = "engine.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def read_engine_json(root: Path, role: str) -> dict:
+    folder = Path(root) / role / "build"
+    manifest = read_manifest(folder) if folder.exists() else None
+    if manifest is None:
+        raise EngineError(f"{folder}: no completed engine; run `python -m pipeline build CONFIG` first")
+    path = folder / ENGINE_FILE
+    if not path.is_file():
+        raise EngineError(f"{path}: missing; the engine folder is incomplete, rebuild it with --force")
+    return json.loads(path.read_text())
+
+
+def check_pair(root: Path, installed_version: str | None, target_device_ids: list[int] | None = None,
+               draft_device_ids: list[int] | None = None) -> tuple[dict, dict]:
+    """engine.json of target and draft after every pre-flight check passed (raises EngineError otherwise)."""
+    root = Path(root)
+    info = {role: read_engine_json(root, role) for role in ("target", "draft")}
+    if info["target"]["config_name"] != info["draft"]["config_name"]:
+        raise EngineError(f"{root}: target engine was built for config {info['target']['config_name']!r} but the "
+                          f"draft for {info['draft']['config_name']!r}; rebuild both with one config")
+    target_cfg = read_engine_config(root / "target" / "build")
+    draft_cfg = read_engine_config(root / "draft" / "build")
+    t = info["target"]
+    raise_if_problems(preflight(
+        target_cfg, draft_cfg, max_draft_len=t["max_draft_len"], acceptance=t["acceptance"],
+        installed_version=installed_version, tokenizer_len=t.get("tokenizer_len"),
+        target_device_ids=target_device_ids or t.get("target_device_ids"),
+        draft_device_ids=draft_device_ids or t.get("draft_device_ids")))
+    return info["target"], info["draft"]
+
+
+def load_executor(cls, root, target_device_ids: list[int] | None = None,
+                  draft_device_ids: list[int] | None = None) -> Any:
+    """The executor on the engines under ``root``; device ids default to the runtime.* recorded at build time."""
+    root = Path(root)
+    trtllm = import_tensorrt_llm("running TensorRT-LLM engines")
+    require_cuda_gpu("running TensorRT-LLM engines")
+    target_info, _ = check_pair(root, trtllm.__version__, target_device_ids, draft_device_ids)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "target" / "build" / TOKENIZER_DIR)
+    rejection = target_info["acceptance"] == "rejection"
+    target_ids = target_device_ids or target_info["target_device_ids"]
+    draft_ids = draft_device_ids or target_info["draft_device_ids"]
+    kv_fraction = target_info["kv_cache_free_gpu_mem_fraction"]
+    # Loaded first, the draft takes its share of free memory before the target; a small draft needs far less KV
+    # than the target, so on a shared GPU it gets a quarter of the configured fraction.
+    shared = bool(set(target_ids) & set(draft_ids))
+    eos = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    draft = ModelRunnerEngine(root / "draft" / "build", draft_ids, kv_fraction / 4 if shared else kv_fraction,
+                              target_info["enable_block_reuse"], rejection, eos, pad)
+    target = ModelRunnerEngine(root / "target" / "build", target_ids, kv_fraction,
+                               target_info["enable_block_reuse"], rejection, eos, pad)
+    limits = EngineLimits(target_info["max_input_len"], target_info["max_seq_len"], target_info["max_draft_len"])
+    return cls(target, draft, tokenizer, limits, target_info["max_draft_len"], target_info["acceptance"],
+               eos_token_ids=[eos] if eos is not None else [])
+
+
+class ModelRunnerEngine:
+    """EngineRunner over tensorrt_llm.runtime.ModelRunnerCpp (the pinned release's C++ executor wrapper)."""
+
+    def __init__(self, engine_dir: Path, device_ids: list[int], kv_fraction: float, block_reuse: bool,
+                 gather_generation_logits: bool, end_id: int | None, pad_id: int | None):
+        from tensorrt_llm.runtime import ModelRunnerCpp
+
+        # Orchestrator mode spawns the executor's worker processes on device_ids, so a TP=4 target and a TP=1
+        # draft run side by side from one Python process without mpirun (as run_dtm_ngram.py does).
+        self.runner = ModelRunnerCpp.from_dir(
+            engine_dir=str(engine_dir), device_ids=list(device_ids), is_orchestrator_mode=True,
+            kv_cache_free_gpu_memory_fraction=kv_fraction, kv_cache_enable_block_reuse=block_reuse,
+            gather_generation_logits=gather_generation_logits)
+        self.vocab_size = int(self.runner.vocab_size_padded)
+        self.end_id, self.pad_id = end_id, pad_id
+
+    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, *,
+                 draft_tokens: list[int] | None = None, draft_logits: Any = None,
+                 want_logits: bool = False) -> EngineOutput:
+        import torch
+
+        kwargs: dict[str, Any] = {}
+        if draft_tokens:
+            kwargs["draft_tokens_list"] = [draft_tokens]
+            if draft_logits is not None:
+                kwargs["draft_logits_list"] = [draft_logits]
+        greedy = sampling.temperature == 0
+        out = self.runner.generate(
+            [torch.tensor(prompt, dtype=torch.int32)], max_new_tokens=max_new_tokens, end_id=self.end_id,
+            pad_id=self.pad_id, temperature=1.0 if greedy else sampling.temperature,
+            top_k=1 if greedy else sampling.top_k, top_p=1.0 if greedy else sampling.top_p,
+            random_seed=sampling.seed, return_dict=True, output_sequence_lengths=True,
+            output_generation_logits=want_logits, **kwargs)
+        end = int(out["sequence_lengths"][0][0])
+        tokens = out["output_ids"][0][0][len(prompt):end].tolist()
+        logits = out["generation_logits"][0][0][:len(tokens)] if want_logits else None  # [n, vocab]
+        return EngineOutput(tokens, logits)

@@ -1,0 +1,286 @@
+"""The trtllm backend without TensorRT-LLM: one-line errors, pre-flight checks on fake engine config.json files,
+and the executor loop's bookkeeping against FakeTrtllmRuntime (a fake at the TensorRT-LLM boundary only)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from pipeline.artifacts import write_manifest
+from pipeline.backends import trtllm
+from pipeline.backends.trtllm_api import INSTALL_HINT, PINNED_VERSION, TRITON_CONTAINER, require_cuda_gpu
+from pipeline.backends.trtllm_loading import check_pair
+from pipeline.backends.trtllm_preflight import preflight, read_engine_config
+from pipeline.backends.trtllm_runtime import EngineLimits, EngineOutput, TrtllmSpeculativeExecutor
+from pipeline.config import load_config
+from pipeline.errors import BackendUnavailable, ConfigError, EngineError
+from pipeline.executor.results import RequestError
+from pipeline.models import ResolvedModel
+
+CONFIG = REPO / "configs" / "llama3.1-8b_llama3.2-1b.yaml"
+
+
+# ---- one clear line when TensorRT-LLM or the GPU is missing --------------------------------------------------------
+
+@pytest.fixture
+def no_trtllm(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # `import tensorrt_llm` raises ImportError
+    monkeypatch.setenv("PATH", str(tmp_path))  # and no trtllm-build on PATH
+
+
+def _one_line(exc: BaseException) -> str:
+    message = str(exc)
+    assert "\n" not in message and message
+    return message
+
+
+def test_convert_without_trtllm_is_one_clear_line(no_trtllm, tmp_path):
+    config = load_config(CONFIG)
+    model = ResolvedModel("target", config.target, tmp_path, "local", None)
+    with pytest.raises(BackendUnavailable) as err:
+        trtllm.convert(config, "target", model, tmp_path / "out")
+    message = _one_line(err.value)
+    assert f"TensorRT-LLM {PINNED_VERSION}" in message and TRITON_CONTAINER in message
+    assert "pip install .[trtllm]" in message
+
+
+def test_build_without_trtllm_build_is_one_clear_line(no_trtllm, tmp_path):
+    with pytest.raises(BackendUnavailable) as err:
+        trtllm.build(load_config(CONFIG), "target", tmp_path / "ckpt", tmp_path / "out")
+    message = _one_line(err.value)
+    assert "trtllm-build" in message and "not on PATH" in message and INSTALL_HINT in message
+
+
+def test_from_engines_without_trtllm_is_one_clear_line(no_trtllm, tmp_path):
+    with pytest.raises(BackendUnavailable) as err:
+        TrtllmSpeculativeExecutor.from_engines(tmp_path)
+    assert "import tensorrt_llm" in _one_line(err.value)
+
+
+def test_no_gpu_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailable) as err:
+        require_cuda_gpu("build (target)")
+    assert "NVIDIA GPU" in _one_line(err.value) and TRITON_CONTAINER in str(err.value)
+
+
+def test_unpaged_kv_cache_is_refused_at_plan_time(tmp_path):
+    config = load_config(CONFIG)
+    config.build.kv_cache.paged = False
+    with pytest.raises(ConfigError, match="build.kv_cache.paged"):
+        trtllm.build_plan(config, "target", tmp_path, tmp_path)
+
+
+# ---- pre-flight checks on fake engine config.json files ---------------------------------------------------------------
+
+def fake_engine_config(folder: Path, *, version=PINNED_VERSION, spec_mode=2, max_draft_len=4, vocab=128256,
+                       gather_context=False, gather_generation=True, tp=1) -> Path:
+    """A config.json shaped like the one tensorrt_llm.builder.Engine.save writes (only the fields we read)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"version": version,
+            "pretrained_config": {"architecture": "LlamaForCausalLM", "dtype": "bfloat16", "vocab_size": vocab,
+                                  "mapping": {"world_size": tp, "tp_size": tp, "pp_size": 1}},
+            "build_config": {"max_batch_size": 8, "max_input_len": 4096, "max_seq_len": 8192 + max_draft_len,
+                             "max_draft_len": max_draft_len, "speculative_decoding_mode": spec_mode,
+                             "gather_context_logits": gather_context,
+                             "gather_generation_logits": gather_generation, "kv_cache_type": "PAGED"}}
+    (folder / "config.json").write_text(json.dumps(data))
+    return folder
+
+
+def _pair(tmp_path, target=None, draft=None):
+    t = read_engine_config(fake_engine_config(tmp_path / "t", **(target or {})))
+    d = read_engine_config(fake_engine_config(tmp_path / "d", **{"spec_mode": 1, "max_draft_len": 0,
+                                                                 **(draft or {})}))
+    return t, d
+
+
+def _run(t, d, **kw):
+    args = {"max_draft_len": 4, "acceptance": "rejection", "installed_version": PINNED_VERSION, **kw}
+    return preflight(t, d, **args)
+
+
+def test_preflight_accepts_a_good_pair(tmp_path):
+    assert _run(*_pair(tmp_path)) == []
+
+
+def test_target_without_spec_mode(tmp_path):
+    (problem,) = _run(*_pair(tmp_path, target={"spec_mode": 1, "max_draft_len": 0}))
+    assert "t/config.json" in problem and "build_config.speculative_decoding_mode is 1" in problem
+    assert "--speculative_decoding_mode draft_tokens_external --max_draft_len 4" in problem
+
+
+def test_target_with_smaller_max_draft_len(tmp_path):
+    (problem,) = _run(*_pair(tmp_path, target={"max_draft_len": 3}))
+    assert "build_config.max_draft_len is 3" in problem and "K = 4" in problem and "speculative.max_draft_len" in problem
+
+
+def test_vocab_mismatch(tmp_path):
+    t, d = _pair(tmp_path, target={"vocab": 152064}, draft={"vocab": 151936})
+    (problem,) = _run(t, d)
+    assert "vocab_size is 151936" in problem and "152064" in problem and "acceptance: greedy" in problem
+    assert _run(t, d, acceptance="greedy") == []  # token ids only: padding rows never matter
+    assert _run(t, d, tokenizer_len=151665) == []  # both cover every real token; the executor pads logits
+    (short,) = _run(t, d, tokenizer_len=152000)
+    assert "d/config.json" in short and "fewer rows than the tokenizer's 152000" in short
+
+
+def test_engine_built_by_other_version(tmp_path):
+    problems = _run(*_pair(tmp_path, target={"version": "1.1.0"}))
+    assert len(problems) == 1 and "version is '1.1.0'" in problems[0] and PINNED_VERSION in problems[0]
+    assert "rebuild" in problems[0]
+
+
+def test_gather_context_logits_with_draft_len(tmp_path):
+    (problem,) = _run(*_pair(tmp_path, target={"gather_context": True}))
+    assert "gather_context_logits is true with max_draft_len 4" in problem
+
+
+def test_rejection_needs_generation_logits(tmp_path):
+    problems = _run(*_pair(tmp_path, draft={"gather_generation": False}))
+    assert len(problems) == 1 and "d/config.json" in problems[0] and "--gather_generation_logits" in problems[0]
+    assert _run(*_pair(tmp_path, draft={"gather_generation": False}), acceptance="greedy") == []
+
+
+def test_world_size_vs_device_ids(tmp_path):
+    (problem,) = _run(*_pair(tmp_path, target={"tp": 4}), target_device_ids=[0])
+    assert problem.startswith("runtime.target_device_ids: [0]") and "world_size 4" in problem
+
+
+def test_check_pair_over_an_engines_folder(tmp_path):
+    """engine.json as trtllm.build writes it, a manifest, and the engine's own config.json."""
+    config = load_config(CONFIG)
+    for role in ("target", "draft"):
+        folder = tmp_path / role / "build"
+        k = 4 if role == "target" else 0
+        fake_engine_config(folder, spec_mode=2 if k else 1, max_draft_len=k, version="1.1.0")
+        (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, "1.1.0")))
+        write_manifest(folder, {"stage": "build", "role": role})
+    with pytest.raises(EngineError) as err:
+        check_pair(tmp_path, PINNED_VERSION)
+    assert str(err.value).count("version is '1.1.0'") == 2 and "\n" not in str(err.value)
+    target, draft = check_pair(tmp_path, "1.1.0")
+    assert target["backend"] == draft["backend"] == "trtllm" and target["max_draft_len"] == 4
+    assert set(target) >= {"backend", "role", "config_name", "dtype", "max_batch_size", "max_input_len",
+                           "max_seq_len", "max_draft_len", "acceptance", "tp", "pp", "trtllm_version"}
+
+
+# ---- the executor loop against a fake runtime -------------------------------------------------------------------------
+
+VOCAB = 50
+EOS = 49
+
+
+def target_next(seq: list[int]) -> int:
+    return (sum(seq) * 7 + len(seq)) % 40
+
+
+def draft_next(seq: list[int]) -> int:
+    # Agrees with the target except when the sequence length is a multiple of 3.
+    return target_next(seq) if len(seq) % 3 else (target_next(seq) + 1) % 40
+
+
+class FakeTrtllmRuntime:
+    """A FAKE engine at the TensorRT-LLM boundary: greedy next-token rules instead of a compiled engine.
+
+    As the target it verifies draft tokens the way TensorRT-LLM's greedy acceptance does: keep the prefix equal
+    to its own tokens, then add one of its own. It records every call for the bookkeeping checks.
+    """
+
+    def __init__(self, rule, vocab_size=VOCAB, eos_at: int | None = None):
+        self.rule, self.vocab_size, self.eos_at, self.calls = rule, vocab_size, eos_at, []
+
+    def _next(self, seq):
+        return EOS if self.eos_at is not None and len(seq) == self.eos_at else self.rule(seq)
+
+    def generate(self, prompt, max_new_tokens, sampling, *, draft_tokens=None, draft_logits=None,
+                 want_logits=False):
+        self.calls.append({"prompt_len": len(prompt), "max_new_tokens": max_new_tokens,
+                           "draft_tokens": draft_tokens, "want_logits": want_logits})
+        seq, out = list(prompt), []
+        for i in range(max_new_tokens):
+            token = self._next(seq)
+            out.append(token)
+            seq.append(token)
+            if token == EOS or (draft_tokens is not None and (i >= len(draft_tokens) or token != draft_tokens[i])):
+                break
+        logits = torch.zeros(len(out), self.vocab_size - 2) if want_logits else None
+        return EngineOutput(out, logits)
+
+
+def make_executor(k=4, eos_at=None, acceptance="greedy"):
+    target = FakeTrtllmRuntime(target_next, eos_at=eos_at)
+    draft = FakeTrtllmRuntime(draft_next, vocab_size=VOCAB - 2, eos_at=eos_at)
+    ex = TrtllmSpeculativeExecutor(target, draft, None, EngineLimits(64, 256, k), k, acceptance, [EOS])
+    return ex, target, draft
+
+
+def reference(prompt, n):
+    seq, out = list(prompt), []
+    for _ in range(n):
+        out.append(target_next(seq))
+        seq.append(out[-1])
+    return out
+
+
+def test_speculative_output_equals_target_only_and_stats_add_up():
+    ex, target, draft = make_executor(k=4)
+    prompt = [1, 2, 3]
+    (spec,) = ex.generate([prompt], 30)
+    (plain,) = ex.generate([prompt], 30, max_draft_len=0)
+    assert spec.token_ids == plain.token_ids == reference(prompt, 30)
+    s = spec.stats
+    assert s.generated_tokens == 30 and spec.finish_reason == "length"
+    assert s.target_steps == len(target.calls) - 1  # the last call is the target-only run
+    assert s.draft_tokens == sum(len(c["draft_tokens"] or []) for c in target.calls[:-1])
+    assert 0 < s.accepted_tokens < s.draft_tokens  # the draft disagrees every third position
+    assert s.generated_tokens == s.accepted_tokens + s.target_steps  # each step: accepted + 1
+    assert sum(s.drafted_at) == s.draft_tokens and sum(s.accepted_at) == s.accepted_tokens
+    assert plain.stats.draft_tokens == 0 and plain.stats.target_steps == 30
+
+
+def test_never_drafts_past_max_new_tokens():
+    ex, target, draft = make_executor(k=4)
+    (result,) = ex.generate([[5]], 6)
+    assert len(result.token_ids) == 6
+    assert all(c["max_new_tokens"] <= 6 for c in draft.calls)
+    assert result.stats.generated_tokens == 6
+
+
+def test_eos_stops_and_is_emitted():
+    ex, *_ = make_executor(k=3, eos_at=7)
+    (result,) = ex.generate([[1, 2]], 20)
+    assert result.finish_reason == "eos" and result.token_ids[-1] == EOS and len(result.token_ids) == 6
+
+
+def test_rejection_sampling_passes_logits_padded_to_target_width():
+    ex, target, draft = make_executor(k=2, acceptance="rejection")
+    ex.generate([[3]], 4, temperature=0.8, seed=1)
+    assert draft.calls[0]["want_logits"] is True
+    padded = ex._fit_logits(torch.zeros(2, VOCAB - 2))
+    assert padded.shape == (2, VOCAB) and torch.isinf(padded[:, -2:]).all()
+    greedy_ex, _, greedy_draft = make_executor(k=2, acceptance="rejection")
+    greedy_ex.generate([[3]], 4)  # temperature 0: token comparison is exact, no logits needed
+    assert greedy_draft.calls[0]["want_logits"] is False
+
+
+def test_request_errors_name_the_field():
+    ex, *_ = make_executor(k=4)
+    with pytest.raises(RequestError, match="max_draft_len: 5 is larger than the 4"):
+        ex.generate([[1]], 3, max_draft_len=5)
+    with pytest.raises(RequestError, match="max_new_tokens: 1 prompt \\+ 300"):
+        ex.generate([[1]], 300)
+    with pytest.raises(RequestError, match="temperature"):
+        ex.generate([[1]], 3, temperature=-1)
+
+
+def test_stream_yields_one_event_per_target_step():
+    ex, target, _ = make_executor(k=4)
+    events = list(ex.generate_stream([1, 2, 3], 12))
+    assert len(events) == events[-1].stats.target_steps and events[-1].finished
+    assert [t for e in events for t in e.token_ids] == reference([1, 2, 3], 12)
