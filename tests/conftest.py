@@ -16,6 +16,17 @@ PY = sys.executable
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach a hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny models spend their time in thread hand-offs, not arithmetic: one thread is several times faster on a
+# 2-core machine (and immune to other load); subprocesses inherit it through the environment.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch_threads = int(os.environ["OMP_NUM_THREADS"])
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_threads():
+    import torch
+
+    torch.set_num_threads(torch_threads)
 
 
 @pytest.fixture(scope="session")

@@ -229,10 +229,10 @@ def _tiny_vocab_model(seed: int, scale: float):
 def test_sampled_tokens_follow_exact_target_distribution():
     """Two generated tokens, sampled speculatively, follow the target's exactly computed joint distribution.
 
-    Tolerance: total variation < 0.06 at 6000 samples over 36 outcomes (sampling noise alone gives ~0.03);
-    the draft's own joint distribution is checked to be far (> 0.15) so the test can tell them apart.
+    Tolerance: total variation < 0.07 at 4000 samples over 36 outcomes (sampling noise gave 0.023 here);
+    the draft's own joint distribution is checked to be far (> 0.3) so the test can tell them apart.
     """
-    target, draft = _tiny_vocab_model(1, 40.0), _tiny_vocab_model(2, 40.0)
+    target, draft = _tiny_vocab_model(1, 6.0), _tiny_vocab_model(2, 6.0)
     prompt = [1, 4, 2]
     with torch.no_grad():
         def joint(model):
@@ -242,14 +242,14 @@ def test_sampled_tokens_follow_exact_target_distribution():
             return torch.stack(rows).flatten()
 
         exact_target, exact_draft = joint(target), joint(draft)
-    assert 0.5 * (exact_target - exact_draft).abs().sum() > 0.15
+    assert 0.5 * (exact_target - exact_draft).abs().sum() > 0.3
 
     ex = SpeculativeExecutor(target, draft, tokenizer=None, max_draft_len=3)
-    n = 6000
+    n = 4000
     results = ex.generate([prompt] * n, max_new_tokens=2, temperature=1.0, seed=0, max_draft_len=3)
     pairs = torch.tensor([r.token_ids[0] * 6 + r.token_ids[1] for r in results])
     empirical = torch.bincount(pairs, minlength=36).float() / n
     tv = 0.5 * (empirical - exact_target).abs().sum().item()
-    assert tv < 0.06, tv
+    assert tv < 0.07, tv
     drafted = sum(r.stats.draft_tokens for r in results)
     assert 0 < sum(r.stats.accepted_tokens for r in results) < drafted  # partial acceptance was exercised
