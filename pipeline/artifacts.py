@@ -129,6 +129,8 @@ def run_stage(stage: str, role: str, out_dir: Path, inputs: dict, config: dict,
     tmp.mkdir()
     try:
         extra = produce(tmp) or {}
+        # Fault-injection hook for the kill test: widens the window in which outputs exist but no manifest does.
+        time.sleep(float(os.environ.get("PIPELINE_STAGE_DELAY_S") or 0))
         manifest = {
             "schema": SCHEMA_VERSION, "stage": stage, "role": role, "input_key": key, "inputs": inputs,
             "config": config, "versions": tool_versions(), "created": datetime.now(timezone.utc).isoformat(),

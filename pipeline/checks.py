@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .config import MAX_DRAFT_LEN_LIMIT, PipelineConfig
 from .errors import CompatibilityError
-from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model
+from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights
 
 # Architectures TensorRT-LLM 1.2's checkpoint converters handle for the draft-target path: the decoder-only
 # causal-LM keys of tensorrt_llm/models/__init__.py MODEL_MAP (encoders, vision and Medusa/EAGLE/ReDrafter heads
@@ -91,13 +91,18 @@ def compare_tokenizers(target_tok, draft_tok) -> list[str]:
 
 
 def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckReport:
-    """Validate the pair; returns the report (caller raises). Reads only config and tokenizer files."""
+    """Validate the pair; returns the report (caller raises).
+
+    Reads config and tokenizer files, plus the weights' headers when ``with_weights`` (before convert/build).
+    """
     report = CheckReport()
     models, hf_configs = {}, {}
     for role in ("target", "draft"):
         spec = getattr(config, role)
         models[role] = resolve_model(spec, role, config.base_dir, with_weights=with_weights)
         hf_configs[role] = read_hf_config(models[role])
+        if with_weights:
+            validate_weights(models[role])
         _check_architecture(models[role], hf_configs[role], config.backend, report)
 
     tokenizer_problems = compare_tokenizers(load_tokenizer(models["target"]), load_tokenizer(models["draft"]))

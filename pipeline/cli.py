@@ -126,6 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .run_cmd import add_run_parser
 
     add_run_parser(sub, _common)
+    from .bench.cli import add_bench_parsers; add_bench_parsers(sub, _common)  # noqa: E702
+    from .triton.cli import add_triton_parsers; add_triton_parsers(sub, _common)  # noqa: E702
     return parser
 
 

@@ -156,14 +156,22 @@ class PipelineConfig(_Section):
         return json.loads(self.model_dump_json())
 
 
+def _loc_part(part: object) -> str:
+    # A key from the YAML can hold any character (newlines included): quote odd ones so the message stays one line.
+    if isinstance(part, str) and part.isidentifier() or type(part) is int:
+        return str(part)
+    return repr(part)
+
+
 def _format_error(err: dict, data: object) -> str:
-    loc = ".".join(str(part) for part in err["loc"]) or "<config>"
+    loc = ".".join(_loc_part(part) for part in err["loc"]) or "<config>"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         return f"{loc}: unknown key; remove it or check the spelling (see `python -m pipeline schema`)"
     if err["type"] == "missing":
         return f"{loc}: required but missing; add it to the config"
     value = err.get("input")
+    msg = msg.replace("\n", " ")
     if msg.startswith(loc.split(".")[0] + "."):  # model-level validator already named the field
         return msg
     return f"{loc}: {value!r} is invalid: {msg}"

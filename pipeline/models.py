@@ -115,6 +115,21 @@ def weight_files(model: ResolvedModel) -> list[Path]:
     return pickles
 
 
+def validate_weights(model: ResolvedModel) -> None:
+    """Open every safetensors header: catches truncated or garbled files in milliseconds, before any build."""
+    from safetensors import safe_open
+
+    for path in weight_files(model):
+        if path.suffix != ".safetensors":
+            continue
+        try:
+            with safe_open(path, "pt") as handle:
+                handle.keys()
+        except Exception as exc:  # SafetensorError, OSError: either way the file is unusable
+            raise ModelError(f"{model.field}: weights file {path} is corrupt or truncated ({exc}); re-download "
+                             f"or re-save the model") from None
+
+
 def warn_remote_code(model: ResolvedModel) -> None:
     if model.spec.trust_remote_code:
         warnings.warn(f"{model.role}.trust_remote_code is true: Python code from {model.spec.model} will run "

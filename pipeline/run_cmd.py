@@ -40,8 +40,11 @@ def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
 
 
 def load_executor(config, engines_dir: Path):
+    """The executor on this config's engines, after checking they were built from this very config."""
     from .executor import SpeculativeExecutor
+    from .stages import verify_engines
 
+    verify_engines(config, engines_dir)
     device = None if config.runtime.device == "auto" else config.runtime.device
     return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device)
 

@@ -34,12 +34,12 @@ class Layout:
         return self.root / role / stage
 
 
-def run_check(config: PipelineConfig) -> CheckReport:
-    report = check_pair(config)
-    for line in report.ok:
+def run_check(config: PipelineConfig, with_weights: bool = False, quiet: bool = False) -> CheckReport:
+    report = check_pair(config, with_weights=with_weights)
+    for line in [] if quiet else report.ok:
         print(f"  ok       {line}")
     for line in report.warnings:
-        print(f"  warning  {line}")
+        print(f"  warning  {line}", file=sys.stderr)
     report.raise_if_failed()
     return report
 
@@ -83,9 +83,38 @@ def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = 
                      lambda tmp: backend.build(config, role, checkpoint_dir, tmp), force=force)
 
 
+def verify_engines(config: PipelineConfig, engines_dir: Path) -> Layout:
+    """Refuse engines that are missing, incomplete, or were built from a config other than this one."""
+    layout = Layout.for_config(config, engines_dir)
+    for role in ROLES:
+        folder = layout.stage_dir(role, "build")
+        manifest = _completed(layout, role, "build")
+        built_with, wanted = manifest.get("config", {}), _role_config(config, role)
+        if built_with != wanted:
+            field, old, new = _first_difference(built_with, wanted)
+            raise EngineError(f"{folder}: built from a different config ({role} {field}: {old!r} then, "
+                              f"{new!r} now); rebuild with `python -m pipeline build CONFIG` or "
+                              f"`make build-engines CONFIG=...`")
+    return layout
+
+
+def _first_difference(old: object, new: object, prefix: str = "") -> tuple[str, object, object]:
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                return _first_difference(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
+    return prefix or "<root>", old, new
+
+
 def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...], force: bool = False
                ) -> list[StageResult]:
-    """Run convert and/or build for both roles under the config's build lock; prints a summary."""
+    """Run convert and/or build for both roles under the config's build lock; prints a summary.
+
+    The pair is checked first (tokenizers, limits, weight headers), so a bad input fails before anything is
+    written under engines/.
+    """
+    if "convert" in stages:
+        run_check(config, with_weights=True, quiet=True)
     layout = Layout.for_config(config, engines_dir)
     results: list[StageResult] = []
     with build_lock(layout.root):

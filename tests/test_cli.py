@@ -60,4 +60,4 @@ def test_check_build_run_end_to_end(tiny_config, tmp_path):
 
 def test_run_without_engines_says_what_to_do(tiny_config, tmp_path):
     result = run_cli("run", str(tiny_config), "--engines-dir", str(tmp_path / "none"), "--prompt", "x")
-    assert result.returncode == 2 and "no completed engine" in result.stderr and "build" in result.stderr
+    assert result.returncode == 2 and "no completed build output" in result.stderr and "pipeline build" in result.stderr

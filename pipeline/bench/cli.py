@@ -1,0 +1,155 @@
+"""`python -m pipeline bench CONFIG` and `python -m pipeline profile CONFIG --prompts FILE`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import MAX_DRAFT_LEN_LIMIT
+from ..errors import PipelineError
+
+
+def add_bench_parsers(sub, common) -> None:
+    from .prompts import PROMPT_SETS
+
+    p = sub.add_parser(
+        "bench", help="target-only vs speculative (K sweep, dynamic K) vs Hugging Face assisted generation",
+        description="Measure tokens/s, latency, acceptance and the cost terms of the analytic speedup model on "
+                    "the same prompts for every method; writes engines/<name>/bench/results.json and a PNG plot.")
+    common(p)
+    p.add_argument("--prompt-set", default="code",
+                   help=f"built-in prompts: {', '.join(PROMPT_SETS)}, a comma list of them, or 'all' "
+                        f"(default code)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per set (default 8)")
+    p.add_argument("--k-max", type=int, default=8, help="largest K of the sweep (default 8)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repeats of every method, interleaved (default 3)")
+    p.add_argument("--skip-hf", action="store_true", help="leave out Hugging Face generate() (plain and assisted)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default engines/<name>/bench)")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser(
+        "profile", help="before building: measure candidate drafts on your prompts and recommend a draft and K",
+        description="Loads the target and each candidate draft from their model folders (no engines needed), "
+                    "measures per-position acceptance and the cost ratio on your prompts, and recommends the draft "
+                    "and K with the highest expected speedup.")
+    common(p)
+    p.add_argument("--prompts", type=Path, required=True,
+                   help="file with one prompt per line (\\n for newlines) or a JSON list of strings")
+    p.add_argument("--draft", action="append", default=[], metavar="MODEL",
+                   help="candidate draft (folder or hub id); repeatable; default: the config's draft")
+    p.add_argument("--k-max", type=int, default=8, help="largest K considered (default 8)")
+    p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
+    p.add_argument("--json", action="store_true", help="also print the measurements as JSON")
+    p.set_defaults(func=_cmd_profile)
+
+
+def _cmd_profile(args) -> int:
+    from .profile import cmd_profile
+
+    return cmd_profile(args)
+
+
+def _check_range(flag: str, value: int, low: int, high: int | None = None, fix: str = "") -> None:
+    if value < low or (high is not None and value > high):
+        span = f"between {low} and {high}" if high is not None else f">= {low}"
+        raise PipelineError(f"{flag}: {value} must be {span}{'; ' + fix if fix else ''}")
+
+
+def open_executor(config, engines_dir: Path, k_max: int, note=print):
+    """The executor from built engines when they exist, else from the config's model folders (with a note)."""
+    from ..executor import SpeculativeExecutor
+    from ..models import resolve_model
+    from ..run_cmd import load_executor
+
+    root = engines_dir / config.name
+    if (root / "target" / "build").is_dir() and (root / "draft" / "build").is_dir():
+        return load_executor(config, engines_dir), f"engines {root}"
+    note(f"note: no built engines in {root}; loading the config's model folders with from_pretrained "
+         "(run `python -m pipeline build CONFIG` to benchmark the built engines)")
+    device = config.runtime.device
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    target = resolve_model(config.target, "target", config.base_dir).path
+    draft = resolve_model(config.draft, "draft", config.base_dir).path
+    executor = SpeculativeExecutor.from_pretrained(target, draft, max_draft_len=k_max, device=device,
+                                                   dtype=config.target.dtype,
+                                                   acceptance=config.speculative.acceptance)
+    return executor, f"model folders {target.parent}"
+
+
+def cmd_bench(args) -> int:
+    from ..config import load_config
+    from .plot import plot_results
+    from .prompts import PROMPT_SETS, load_prompt_set, pair_seed_of
+    from .records import format_table
+    from .runner import BenchOptions, git_commit, machine_info, run_bench, timestamp
+
+    _check_range("--max-new-tokens", args.max_new_tokens, 2, fix="latency needs at least two tokens")
+    _check_range("--num-prompts", args.num_prompts, 1)
+    _check_range("--k-max", args.k_max, 1, MAX_DRAFT_LEN_LIMIT)
+    _check_range("--repeats", args.repeats, 1)
+    sets = list(PROMPT_SETS) if args.prompt_set == "all" else [s.strip() for s in args.prompt_set.split(",")]
+    config = load_config(args.config)
+    pair_seed = 0
+    target_folder = config.base_dir / config.target.model
+    if target_folder.is_dir():
+        pair_seed = pair_seed_of(target_folder)
+    try:
+        prompt_sets = {name: load_prompt_set(name, args.num_prompts, pair_seed=pair_seed) for name in sets}
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    executor, source = open_executor(config, args.engines_dir, args.k_max)
+    options = BenchOptions(prompt_sets=sets, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+                           k_max=args.k_max, repeats=args.repeats, skip_hf=args.skip_hf)
+    started = timestamp()
+    records, costs, notes = run_bench(executor, prompt_sets, options)
+    out_dir = args.out or args.engines_dir / config.name / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = {
+        "config": config.name, "loaded_from": source, "started": started, "finished": timestamp(),
+        "git_commit": git_commit(Path(__file__).resolve().parents[2]),
+        "machine": machine_info(str(executor.device)),
+        "options": {"prompt_sets": sets, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
+                    "k_max": options.k_max, "repeats": args.repeats, "skip_hf": args.skip_hf,
+                    "decoding": "greedy, batch 1"},
+        "cost_terms": costs.to_dict(), "notes": notes, "records": records,
+    }
+    tmp = out_dir / "results.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out_dir / "results.json")
+    plot = plot_results(records, out_dir / "results.png",
+                        f"{config.name} on {results['machine']['device']} ({results['machine']['cpu_count']} cores)"
+                        f", {args.max_new_tokens} new tokens, greedy")
+    print(format_table(records))
+    print(f"cost terms: c = {costs.cost_ratio_c:.3f} (draft {costs.draft_ms:.2f} ms / target {costs.target_ms:.2f} "
+          f"ms per token); verify cost K=1..{options.k_max}: "
+          + " ".join(f"{v:.2f}" for v in costs.verify_cost_ratio))
+    for line in summary_lines(records):
+        print(line)
+    print(f"wrote {out_dir / 'results.json'} and {plot}")
+    return 0
+
+
+def summary_lines(records: list[dict]) -> list[str]:
+    """One line per prompt set: the best speculative K against its bound, and the best HF assisted K."""
+    lines = []
+    for name in dict.fromkeys(r["prompt_set"] for r in records):
+        rows = [r for r in records if r["prompt_set"] == name and r["speedup_vs_target"] is not None]
+        spec = [r for r in rows if r["method"] == "speculative"]
+        hf = [r for r in rows if r["method"] == "hf_assisted"]
+        if spec:
+            best = max(spec, key=lambda r: r["speedup_vs_target"])
+            lines.append(f"{name}: best speculative K={best['k']} {best['speedup_vs_target']:.2f}x (bound "
+                         f"{best['bound_speedup']:.2f}x, with verify cost {best['bound_speedup_refined']:.2f}x, "
+                         f"efficiency {best['efficiency']:.2f}); alpha {best['alpha']:.2f}, "
+                         f"{best['mean_accepted_len']:.2f} tokens/step")
+        if hf:
+            best = max(hf, key=lambda r: r["speedup_vs_target"])
+            lines.append(f"{name}: best HF assisted K={best['k']} {best['speedup_vs_target']:.2f}x vs our target-only"
+                         + (f" ({best['speedup_vs_hf_target']:.2f}x vs HF target-only)"
+                            if best.get("speedup_vs_hf_target") is not None else ""))
+    return lines
+

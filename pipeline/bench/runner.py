@@ -1,0 +1,154 @@
+"""One benchmark run: every method on the same prompts, repeats interleaved, records and machine description.
+
+Methods (all greedy, batch 1):
+  target       our runtime with max_draft_len=0: the baseline every speedup is measured against
+  speculative  our runtime with K = 1..k_max
+  dynamic      our runtime with max_draft_len="auto" (the executor picks K per step), when the executor has it
+  hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
+  hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
+
+Repeats are interleaved (repeat 1 of every method, then repeat 2, ...) so that load from other processes on a
+shared machine spreads over all methods instead of penalising whichever ran during the burst.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .measure import Sample, hf_sample, stream_sample
+from .records import finish_records, make_record
+from .timing import CostTerms, measure_costs
+
+
+@dataclass
+class BenchOptions:
+    prompt_sets: list[str]
+    max_new_tokens: int = 64
+    num_prompts: int = 8
+    k_max: int = 8
+    repeats: int = 3
+    skip_hf: bool = False
+    cost_repeats: int = 20
+    seed: int = 0
+
+
+@dataclass
+class Method:
+    name: str
+    k: int | str
+    run: Callable[[list[int]], Sample]
+
+
+def dynamic_k_available(executor, prompt_ids: list[int]) -> str | None:
+    """None when generate accepts max_draft_len="auto"; else the reason it does not (printed, not faked)."""
+    try:
+        executor.generate([prompt_ids], max_new_tokens=2, max_draft_len="auto")
+    except (TypeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def build_methods(executor, options: BenchOptions, max_new_tokens: int, dynamic: bool) -> list[Method]:
+    methods = [Method("target", 0, lambda ids: stream_sample(executor, ids, max_new_tokens, 0))]
+    for k in range(1, options.k_max + 1):
+        methods.append(Method("speculative", k, lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
+    if dynamic:
+        methods.append(Method("dynamic", "auto",
+                              lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
+    if not options.skip_hf:
+        target, draft = executor.target.model, executor.draft.model
+        pad = getattr(executor.tokenizer, "pad_token_id", None)
+        methods.append(Method("hf_target", 0, lambda ids: hf_sample(target, None, ids, max_new_tokens, 0, pad)))
+        for k in range(1, options.k_max + 1):
+            methods.append(Method("hf_assisted", k,
+                                  lambda ids, k=k: hf_sample(target, draft, ids, max_new_tokens, k, pad)))
+    return methods
+
+
+def fit_prompt(executor, prompt: str, max_new_tokens: int) -> list[int]:
+    """Token ids of ``prompt``, keeping its end when prompt + new tokens would exceed the executor's limits."""
+    ids = executor.encode(prompt)
+    limits = [executor.max_input_len, (executor.max_seq_len - max_new_tokens) if executor.max_seq_len else None]
+    limit = min(x for x in limits if x is not None) if any(x is not None for x in limits) else len(ids)
+    if limit < 1:
+        raise ValueError(f"--max-new-tokens: {max_new_tokens} leaves no room for a prompt within max_seq_len "
+                         f"{executor.max_seq_len}; lower it")
+    return ids[-limit:]
+
+
+def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions, progress=None,
+              note: Callable[[str], None] = print) -> tuple[list[dict], CostTerms, dict]:
+    """Measure every method on every prompt set; returns (records, cost terms, notes for results.json)."""
+    from tqdm import tqdm
+
+    notes: dict = {}
+    fitted = {name: [fit_prompt(executor, p, options.max_new_tokens) for p in prompts]
+              for name, prompts in prompt_sets.items()}
+    first = next(iter(fitted.values()))[0]
+    limit = getattr(executor, "draft_len_limit", None)
+    if limit is not None and options.k_max > limit:
+        note(f"note: the target engine was built for K <= {limit}; sweeping K = 1..{limit} "
+             f"(build with a larger speculative.max_draft_len to go further)")
+        options.k_max = limit
+    reason = dynamic_k_available(executor, first)
+    if reason is not None:
+        note(f"note: dynamic K skipped: generate(max_draft_len='auto') raised {reason}")
+        notes["dynamic_skipped"] = reason
+    methods = build_methods(executor, options, options.max_new_tokens, reason is None)
+    # Warm-up: first calls pay one-off allocation and dispatch costs nobody should be billed for.
+    for method in methods:
+        method.run(first[:16])
+    costs = measure_costs(executor.target, executor.draft, first, options.k_max, repeats=options.cost_repeats)
+
+    samples: dict[tuple[str, str, int | str], list[list[Sample]]] = {}
+    total = options.repeats * len(methods) * sum(len(v) for v in fitted.values())
+    bar = progress or tqdm(total=total, desc="bench", unit="gen")
+    for _ in range(options.repeats):
+        for set_name, prompts in fitted.items():
+            for method in methods:
+                bar.set_postfix_str(f"{set_name} {method.name} K={method.k}", refresh=False)
+                rep = []
+                for ids in prompts:
+                    rep.append(method.run(ids))
+                    bar.update(1)
+                samples.setdefault((set_name, method.name, method.k), []).append(rep)
+    bar.close()
+    records = [make_record(method, k, set_name, reps, costs) for (set_name, method, k), reps in samples.items()]
+    return finish_records(records), costs, notes
+
+
+def machine_info(device: str) -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info = {"device": device, "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def git_commit(repo: Path) -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def timestamp() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z")

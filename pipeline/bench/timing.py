@@ -1,0 +1,95 @@
+"""Measured cost terms of a pair on this machine: draft/target step cost ratio c and the verify cost per K.
+
+Each forward is timed the way the executor runs it: a KV cache already holding a prompt, new tokens appended, the
+cache rolled back afterwards so every repeat sees the same context. Sizes are interleaved within each repeat so a
+burst of load from another process hits all of them alike, and the median over repeats discards the bursts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class CostTerms:
+    target_ms: float  # median target forward of 1 token with a warm cache
+    draft_ms: float  # median draft forward of 1 token with a warm cache
+    verify_ms: list[float]  # [k_max] median target forward of K+1 tokens, K = 1..k_max
+    context_tokens: int  # tokens in the cache while timing
+    repeats: int
+
+    @property
+    def cost_ratio_c(self) -> float:
+        return self.draft_ms / self.target_ms
+
+    @property
+    def verify_cost_ratio(self) -> list[float]:
+        """[k_max] target forward over K+1 tokens / over 1 token, K = 1..k_max."""
+        return [v / self.target_ms for v in self.verify_ms]
+
+    def verify_cost(self, k: int) -> float:
+        """Verify cost ratio at K (1.0 at K=0: target-only decoding is one single-token forward)."""
+        if k == 0:
+            return 1.0
+        if not 1 <= k <= len(self.verify_ms):
+            raise ValueError(f"k: {k} was not measured (verify costs cover K=1..{len(self.verify_ms)})")
+        return self.verify_ms[k - 1] / self.target_ms
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "cost_ratio_c": self.cost_ratio_c, "verify_cost_ratio": self.verify_cost_ratio}
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile (q in [0, 100]) of a non-empty sequence."""
+    if not values:
+        raise ValueError("percentile: no values; generate at least two tokens per prompt to measure latency")
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def _time_forward(runner, context_len: int, tokens: list[int]) -> float:
+    start = time.perf_counter()
+    runner.forward(tokens, keep_last=len(tokens))
+    elapsed = time.perf_counter() - start
+    runner.rollback(context_len)
+    return elapsed
+
+
+def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: int = 15, warmup: int = 3
+                  ) -> CostTerms:
+    """Time single-token forwards of ``target`` and ``draft`` (CausalLMRunner) and K+1-token target forwards.
+
+    ``context`` fills both caches first (a real prompt, so attention spans a realistic length). The appended
+    tokens are the context's own first tokens: their values do not change the cost.
+    """
+    if k_max < 1:
+        raise ValueError(f"k_max: {k_max} must be >= 1")
+    context = list(context)
+    if len(context) < k_max + 1:
+        raise ValueError(f"context: {len(context)} tokens; need at least k_max + 1 = {k_max + 1} to append")
+    for runner in (target, draft):
+        runner.reset()
+        runner.forward(context, keep_last=1)
+    single = {"target": [], "draft": []}
+    verify: list[list[float]] = [[] for _ in range(k_max)]
+    for rep in range(warmup + repeats):
+        t = _time_forward(target, len(context), context[:1])
+        d = _time_forward(draft, len(context), context[:1])
+        widths = [_time_forward(target, len(context), context[:k + 1]) for k in range(1, k_max + 1)]
+        if rep < warmup:
+            continue  # first calls pay allocator and dispatch warm-up
+        single["target"].append(t)
+        single["draft"].append(d)
+        for k, value in enumerate(widths):
+            verify[k].append(value)
+    for runner in (target, draft):
+        runner.reset()
+    ms = lambda xs: statistics.median(xs) * 1000.0  # noqa: E731
+    return CostTerms(target_ms=ms(single["target"]), draft_ms=ms(single["draft"]),
+                     verify_ms=[ms(v) for v in verify], context_tokens=len(context), repeats=repeats)

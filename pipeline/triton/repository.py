@@ -1,0 +1,85 @@
+"""``deploy``: write ``engines/<name>/triton/``, the model repository for the config's backend.
+
+Written like every stage: into a temp folder that is renamed on success, with a manifest whose key covers the
+inputs (engine manifests, the Python model file, the config, the absolute paths baked into config.pbtxt), so an
+unchanged deployment is "up to date" and a killed one never looks complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..artifacts import StageResult, read_manifest, run_stage, sha256_file
+from ..config import PipelineConfig
+from ..errors import EngineError
+from . import torch_repo, trtllm_repo
+
+
+@dataclass(frozen=True)
+class DeployPlan:
+    config: PipelineConfig
+    engines_root: Path  # absolute engines/<name>
+
+    @classmethod
+    def for_config(cls, config: PipelineConfig, engines_dir: Path) -> DeployPlan:
+        return cls(config, (Path(engines_dir) / config.name).resolve())
+
+    @property
+    def repo(self) -> Path:
+        return self.engines_root / "triton"
+
+    def engine_dir(self, role: str) -> Path:
+        return self.engines_root / role / "build"
+
+
+def default_tokenizer_dir(config: PipelineConfig) -> str:
+    """The target's tokenizer: its local folder when it is one, else the hub id (AutoTokenizer resolves both)."""
+    local = (config.base_dir / config.target.model)
+    return str(local.resolve()) if local.is_dir() else config.target.model
+
+
+def _engine_keys(plan: DeployPlan) -> dict[str, str]:
+    keys = {}
+    for role in ("target", "draft"):
+        folder = plan.engine_dir(role)
+        manifest = read_manifest(folder) if folder.exists() else None
+        if manifest is None:
+            raise EngineError(f"{folder}: no completed {role} engine to deploy; run `python -m pipeline build "
+                              f"{plan.config.name}.yaml` (or `make build-engines`) first")
+        keys[role] = manifest["input_key"]
+    return keys
+
+
+def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
+           tokenizer_dir: str | None = None) -> StageResult:
+    plan = DeployPlan.for_config(config, engines_dir)
+    if config.backend == "torch":
+        inputs = {"engines": _engine_keys(plan), "model_py": sha256_file(torch_repo.MODEL_FILE),
+                  "engines_root": str(plan.engines_root), "pipeline_root": str(torch_repo.PIPELINE_ROOT)}
+
+        def produce(tmp: Path) -> dict:
+            written = torch_repo.write_torch_repository(tmp, config, plan.engines_root)
+            return {"models": [p.name for p in written]}
+    else:
+        # TensorRT-LLM engines are built on the GPU box; the repository only names their paths, so it can be
+        # generated (and checked) anywhere.
+        paths = trtllm_repo.TrtllmPaths(plan.engine_dir("target"), plan.engine_dir("draft"),
+                                        tokenizer_dir or default_tokenizer_dir(config))
+        inputs = {"target_engine": str(paths.target_engine), "draft_engine": str(paths.draft_engine),
+                  "tokenizer_dir": paths.tokenizer_dir, "release": trtllm_repo.TRTLLM_RELEASE}
+
+        def produce(tmp: Path) -> dict:
+            written = trtllm_repo.write_trtllm_repository(tmp, config, paths, plan.repo)
+            return {"models": [p.name for p in written],
+                    "launch_command": trtllm_repo.launch_command(config, plan.repo,
+                                                                  trtllm_repo.DISPLAY_LAUNCHER)}
+    return run_stage("deploy", "triton", plan.repo, inputs, _repository_settings(config), produce, force=force)
+
+
+def _repository_settings(config: PipelineConfig) -> dict:
+    """The config as the repository depends on it: where the server listens is a serve-time choice."""
+    data = config.resolved()
+    for key in ("bind_address", "http_port", "grpc_port", "metrics_port"):
+        data["serve"].pop(key)
+    return data

@@ -1,0 +1,112 @@
+"""`python -m pipeline bench` end to end on the tiny pair: results.json fields, consistent values, the PNG.
+
+Token counts are tiny so each run takes seconds; timing values are never compared with thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import tiny_config_dict, write_config
+
+from pipeline.bench.analytic import speedup_bound
+from pipeline.cli import main
+
+FIELDS = {"method", "k", "tokens_per_s", "speedup_vs_target", "acceptance_rate", "mean_accepted_len",
+          "cost_ratio_c", "bound_speedup", "efficiency", "itl_ms_p50", "itl_ms_p90", "ttft_ms",
+          "verify_cost_ratio", "prompt_set", "alpha", "bound_speedup_refined"}
+QUICK = ["--max-new-tokens", "6", "--num-prompts", "2", "--repeats", "1"]
+
+
+def _results(folder):
+    data = json.loads((folder / "results.json").read_text())
+    return data, data["records"]
+
+
+def test_bench_from_built_engines_writes_consistent_results(built_engines, capsys):
+    config, engines = built_engines
+    out = engines.parent / "bench-out"
+    # The engines were built for K <= 4: a sweep to 6 is clipped with a note rather than failing.
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--out", str(out), "--k-max", "6",
+                 "--skip-hf", *QUICK]) == 0
+    printed = capsys.readouterr()
+    assert "K = 1..4" in printed.out + printed.err
+    data, records = _results(out)
+    assert data["machine"]["cpu_count"] >= 1 and data["machine"]["device"] == "cpu"
+    assert data["options"]["k_max"] == 4
+    assert data["loaded_from"].startswith("engines")
+    for record in records:
+        assert FIELDS <= record.keys(), FIELDS - record.keys()
+        assert record["prompt_set"] == "code"
+    by_method = {}
+    for record in records:
+        by_method.setdefault(record["method"], []).append(record)
+    assert not {"hf_target", "hf_assisted"} & by_method.keys()
+    (target,) = by_method["target"]
+    assert target["k"] == 0 and target["speedup_vs_target"] == 1.0 and target["bound_speedup"] == 1.0
+    assert target["mean_accepted_len"] == 1.0 and target["acceptance_rate"] == 0.0
+    assert sorted(r["k"] for r in by_method["speculative"]) == [1, 2, 3, 4]
+    c = data["cost_terms"]["cost_ratio_c"]
+    for record in by_method["speculative"]:
+        k = record["k"]
+        assert record["cost_ratio_c"] == pytest.approx(c, abs=1e-4)
+        assert record["verify_cost_ratio"] == pytest.approx(data["cost_terms"]["verify_cost_ratio"][k - 1], abs=1e-4)
+        assert record["bound_speedup"] == pytest.approx(speedup_bound(record["alpha"], k, c), abs=2e-3)
+        assert record["bound_speedup_refined"] == pytest.approx(
+            speedup_bound(record["alpha"], k, c, record["verify_cost_ratio"]), abs=2e-3)
+        assert record["efficiency"] == pytest.approx(record["speedup_vs_target"] / record["bound_speedup"], abs=2e-3)
+        assert record["speedup_vs_target"] == pytest.approx(record["tokens_per_s"] / target["tokens_per_s"],
+                                                            abs=2e-3)
+        assert 0.0 <= record["acceptance_rate"] <= 1.0
+        assert 1.0 <= record["mean_accepted_len"] <= k + 1
+    # dynamic K is measured when the executor supports max_draft_len="auto", and skipped with a note otherwise
+    assert ("dynamic" in by_method) != ("dynamic_skipped" in data["notes"])
+    png = out / "results.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_from_model_folders_with_a_short_hf_run(tiny_pair, tmp_path, capsys):
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="bench-hf"))
+    engines = tmp_path / "engines"
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--k-max", "1", "--prompt-set", "json,prose",
+                 "--max-new-tokens", "4", "--num-prompts", "1", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "no built engines" in printed and "best speculative" in printed
+    data, records = _results(engines / "bench-hf" / "bench")
+    assert data["loaded_from"].startswith("model folders")
+    assert {r["prompt_set"] for r in records} == {"json", "prose"}
+    for name in ("json", "prose"):
+        methods = {(r["method"], r["k"]) for r in records if r["prompt_set"] == name}
+        assert {("target", 0), ("speculative", 1), ("hf_target", 0), ("hf_assisted", 1)} <= methods
+    hf = [r for r in records if r["method"] == "hf_assisted"]
+    assert all(FIELDS <= r.keys() and r["speedup_vs_hf_target"] is not None for r in hf)
+    assert (engines / "bench-hf" / "bench" / "results.png").is_file()
+
+
+@pytest.mark.parametrize("flag, value, message", [("--k-max", "0", "--k-max: 0 must be between 1 and 16"),
+                                                  ("--max-new-tokens", "1", "--max-new-tokens: 1 must be >= 2"),
+                                                  ("--prompt-set", "poems", "--prompt-set: 'poems' is not")])
+def test_bench_rejects_bad_options_by_name(tiny_config, tmp_path, capsys, flag, value, message):
+    assert main(["bench", str(tiny_config), "--engines-dir", str(tmp_path), flag, value]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_shipped_code_pair_config_is_valid():
+    from conftest import REPO
+
+    from pipeline.config import load_config
+
+    config = load_config(REPO / "configs" / "code-pair.yaml")
+    assert config.backend == "torch" and config.runtime.device == "cpu"
+    assert config.target.model.endswith("models/code-pair/target") and config.target.dtype == "float32"
+
+
+def test_prompt_sets_are_deterministic_and_nonempty():
+    from pipeline.bench.prompts import PROMPT_SETS, load_prompt_set
+
+    for name in PROMPT_SETS:
+        first, again = load_prompt_set(name, 3), load_prompt_set(name, 3)
+        assert first == again and len(first) == 3 and all(p.strip() for p in first)
+    assert load_prompt_set("code", 2)[0].rstrip().endswith(":")  # ends on a def line
+    assert load_prompt_set("json", 1)[0].endswith('"name": "')

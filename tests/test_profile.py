@@ -1,0 +1,65 @@
+"""`python -m pipeline profile`: measured acceptance and cost ratio -> a recommended draft and K, no engines."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import tiny_config_dict, write_config
+
+from pipeline.cli import main
+
+
+def _foreign_model(folder):
+    """A tiny model whose tokenizer was trained on other text: a draft the target cannot use."""
+    from transformers import LlamaForCausalLM
+
+    from pipeline.tinymodels import TinyModelShape, llama_config, train_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "lorem ipsum dolor sit amet " * 20]
+    tokenizer = train_tokenizer(texts, 300)
+    model = LlamaForCausalLM(llama_config(TinyModelShape(32, 1, 2, 1, 64), tokenizer, 256))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_profile_recommends_k_in_range_and_reports_incompatible_drafts(tiny_pair, tmp_path, capsys):
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="profile-test"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\\n    return\nclass Stack:\\n    def push(self, item):\n")
+    foreign = _foreign_model(tmp_path / "foreign")
+    missing = tmp_path / "no-such-model"
+    assert main(["profile", str(config), "--prompts", str(prompts), "--draft", str(tiny_pair / "draft"),
+                 "--draft", str(foreign), "--draft", str(missing), "--k-max", "3", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    profiles = json.loads(out[out.index("\n[\n") + 1:])
+    ok, bad, gone = profiles
+    assert ok["status"] == "ok" and 1 <= ok["best_k"] <= 3
+    assert len(ok["acceptance_by_position"]) == 3 and len(ok["expected_speedup"]) == 3
+    assert ok["best_speedup"] == max(ok["expected_speedup"])
+    # the expected speedup is exactly the measured terms put together
+    survival, c, verify = ok["acceptance_by_position"], ok["cost_ratio_c"], ok["verify_cost_ratio"]
+    for k in (1, 2, 3):
+        assert abs(ok["expected_speedup"][k - 1] - (1 + sum(survival[:k])) / (k * c + verify[k - 1])) < 1e-9
+    assert bad["status"] == "incompatible" and "tokenizer" in bad["reason"]
+    assert gone["status"] == "unavailable"
+    assert "incompatible" in out.split("\n[\n")[0]
+    assert "recommend:" in out and f"K={ok['best_k']} maximises" in out
+
+
+def test_profile_defaults_to_the_configs_draft(tiny_config, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["import os\nimport sys\n"]))
+    assert main(["profile", str(tiny_config), "--prompts", str(prompts), "--k-max", "2",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "best K" in out and "recommend:" in out
+
+
+def test_profile_rejects_bad_options(tiny_config, tmp_path, capsys):
+    assert main(["profile", str(tiny_config), "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert "--prompts:" in capsys.readouterr().err
+    assert main(["profile", str(tiny_config), "--prompts", str(tmp_path / "none.txt"), "--k-max", "4",
+                 "--max-new-tokens", "4"]) == 2
+    assert "--max-new-tokens: 4 must exceed --k-max 4" in capsys.readouterr().err
