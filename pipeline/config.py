@@ -115,6 +115,8 @@ class RuntimeSpec(_Section):
                                                                        "available.")
     target_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the target (trtllm).")
     draft_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the draft (trtllm).")
+    torch_compile: bool = Field(False, description="torch backend: compile the decode and verify forwards "
+                                                   "(static KV cache; the first requests pay the compile time).")
 
 
 class ServeSpec(_Section):

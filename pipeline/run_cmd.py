@@ -46,6 +46,9 @@ def load_executor(config, engines_dir: Path):
 
     verify_engines(config, engines_dir)
     device = None if config.runtime.device == "auto" else config.runtime.device
+    if config.backend == "torch":
+        return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device,
+                                                compile=config.runtime.torch_compile)
     return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -61,6 +63,27 @@ def test_greedy_matches_hf_generate(pair, random_draft, reference, k, draft_kind
         assert all(r.stats.mean_accepted_len > 1 for r in results)
     if draft_kind == "random":
         assert rate < 0.2
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("draft_kind", ["self", "tiny"])
+def test_static_cache_matches_hf_generate(pair, reference, k, draft_kind):
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, target if draft_kind == "self" else draft, tok, max_draft_len=k,
+                             max_seq_len=128, static_cache=True)
+    assert ex.target.static_len == 128
+    for _ in range(2):  # the preallocated cache is reused across requests
+        results = ex.generate(PROMPTS, max_new_tokens=40)
+        assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS]
+
+
+@pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="torch.compile warm-up takes minutes on 2 cores; "
+                                                         "set RUN_SLOW=1 to run")
+def test_compiled_executor_matches_eager(pair, reference):
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, compile=True)
+    results = ex.generate(PROMPTS[:2], max_new_tokens=40)
+    assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS[:2]]
 
 
 def test_target_only_is_plain_decoding(pair, reference):

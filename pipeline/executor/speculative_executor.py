@@ -29,12 +29,22 @@ Prompt = str | Sequence[int]
 class SpeculativeExecutor:
     def __init__(self, target_model, draft_model, tokenizer, max_draft_len: int = 4, device: str = "cpu",
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
-                 draft_len_limit: int | None = None):
+                 draft_len_limit: int | None = None, static_cache: bool | None = None, compile: bool = False):
+        """``static_cache``: preallocate KV caches for max_seq_len (None = only when compiling: eager attention
+        over a mostly empty static cache measured 5x slower per token on a CPU than the growing cache);
+        ``compile``: torch.compile the decode and verify forwards (needs the static cache; first calls are slow)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
         self.device = torch.device(device)
-        self.target = CausalLMRunner(target_model, self.device)
-        self.draft = CausalLMRunner(draft_model, self.device) if draft_model is not None else None
+        if static_cache is None:
+            static_cache = compile
+        if compile and not (static_cache and max_seq_len):
+            raise ValueError("compile: needs a static cache, i.e. a known max_seq_len (pass max_seq_len=...)")
+        # Enough: a step drafts at most (tokens still allowed - 1), so verify never writes past max_seq_len.
+        static_len = max_seq_len if static_cache else None
+        self.target = CausalLMRunner(target_model, self.device, static_len, compile)
+        self.draft = CausalLMRunner(draft_model, self.device, static_len, compile) if draft_model is not None \
+            else None
         self.tokenizer = tokenizer
         self.max_draft_len = max_draft_len
         self.acceptance = acceptance
@@ -51,8 +61,8 @@ class SpeculativeExecutor:
 
     @classmethod
     def from_pretrained(cls, target, draft, max_draft_len: int = 4, device: str = "cpu", dtype: str = "float32",
-                        acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None
-                        ) -> SpeculativeExecutor:
+                        acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None,
+                        max_seq_len: int | None = None, compile: bool = False) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend."""
         from ..checks import compare_tokenizers, max_positions
 
@@ -66,11 +76,13 @@ class SpeculativeExecutor:
                                    "); pick a draft from the same model family")
         limits = [max_positions(m.config.to_dict()) for m in (target_model, draft_model)]
         limits = [x for x in limits if x]
+        if max_seq_len is None and limits:
+            max_seq_len = min(limits)
         return cls(target_model.to(device), draft_model.to(device), tokenizer, max_draft_len=max_draft_len,
-                   device=device, acceptance=acceptance, max_seq_len=min(limits) if limits else None)
+                   device=device, acceptance=acceptance, max_seq_len=max_seq_len, compile=compile)
 
     @classmethod
-    def from_engines(cls, path: str | Path, device: str | None = None):
+    def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False):
         """Load the engines built for one config: ``engines/<name>`` (holding target/build and draft/build)."""
         root = Path(path)
         engines = {role: _read_engine(root, role) for role in ("target", "draft")}
@@ -91,7 +103,8 @@ class SpeculativeExecutor:
         return cls(target_model.to(device), draft_model.to(device), load_tokenizer(target_spec),
                    max_draft_len=target_info["max_draft_len"], device=device,
                    acceptance=target_info.get("acceptance", "rejection"), max_seq_len=target_info["max_seq_len"],
-                   max_input_len=target_info["max_input_len"], draft_len_limit=target_info["max_draft_len"])
+                   max_input_len=target_info["max_input_len"], draft_len_limit=target_info["max_draft_len"],
+                   compile=compile)
 
     # ---- public API -----------------------------------------------------------------------------------------------
 
@@ -111,7 +124,7 @@ class SpeculativeExecutor:
             tokens: list[int] = []
             event = None
             for event in self._stream(prompt, max_new_tokens, temperature, top_k, top_p, generator,
-                                      max_draft_len, stop_token_ids):
+                                      max_draft_len, stop_token_ids, with_text=False):
                 tokens.extend(event.token_ids)
             stats = event.stats if event else GenerationStats()
             reason = event.finish_reason if event else "length"
@@ -171,8 +184,8 @@ class SpeculativeExecutor:
                                f"{max(self.max_seq_len - len(prompt_ids), 0)} new tokens")
 
     def _stream(self, prompt: Prompt, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                generator: torch.Generator, max_draft_len: int | str | None, stop_token_ids
-                ) -> Iterator[StreamEvent]:
+                generator: torch.Generator, max_draft_len: int | str | None, stop_token_ids,
+                with_text: bool = True) -> Iterator[StreamEvent]:
         try:
             params = SamplingParams(float(temperature), int(top_k), float(top_p))
         except ValueError as exc:  # the request is bad, not the program: report it as such
@@ -209,11 +222,13 @@ class SpeculativeExecutor:
             stats.generated_tokens = len(generated)
             if reason is None and len(generated) >= max_new_tokens:
                 reason = "length"
-            text = self.decode(generated)
-            # Hold back a trailing partial UTF-8 character until the next step completes it.
-            stable = text if reason or not text.endswith("\ufffd") else text[:len(text_sent)]
-            yield StreamEvent(new_tokens, stable[len(text_sent):], reason is not None, reason, stats)
-            text_sent = stable
+            delta = ""
+            if with_text:  # decoding the whole text each step is O(n^2): only streams need it
+                text = self.decode(generated)
+                # Hold back a trailing partial UTF-8 character until the next step completes it.
+                stable = text if reason or not text.endswith("\ufffd") else text[:len(text_sent)]
+                delta, text_sent = stable[len(text_sent):], stable
+            yield StreamEvent(new_tokens, delta, reason is not None, reason, stats)
             if reason:
                 return
 
@@ -229,10 +244,13 @@ class SpeculativeExecutor:
             pending = seq[self.draft.cached_len:]
             for _ in range(k):
                 logits = self.draft.forward(pending, keep_last=1)[:, :vocab]  # [1, V]
-                probs = logits_to_probs(logits, params)  # [1, V]
-                token = int(logits.argmax(-1)) if params.greedy else int(sample(probs, generator))
+                if params.greedy:
+                    token = int(logits.argmax(-1))
+                else:
+                    probs = logits_to_probs(logits, params)  # [1, V]
+                    token = int(sample(probs, generator))
+                    draft_probs.append(probs)
                 draft_tokens.append(token)
-                draft_probs.append(probs)
                 pending = [token]
 
         # Step 2: one target forward verifies all k draft tokens (and prefills on the first step).
