@@ -16,7 +16,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..executor.results import GenerationResult, GenerationStats, RequestError, StreamEvent
+from ..executor.results import (GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling,
+                                collect_result)
 
 Prompt = str | Sequence[int]
 
@@ -29,12 +30,7 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise RequestError(f"temperature: {self.temperature} must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise RequestError(f"top_k: {self.top_k} must be >= 0 (0 disables it)")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p: {self.top_p} must be in (0, 1] (1 disables it)")
+        checked_sampling(self.temperature, self.top_k, self.top_p)  # same rules and messages as the torch path
 
 
 @dataclass
@@ -101,18 +97,9 @@ class TrtllmSpeculativeExecutor:
                  ) -> list[GenerationResult]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts: pass a list of prompts (strings or token-id lists), not a single prompt")
-        results = []
-        for prompt in prompts:
-            tokens: list[int] = []
-            event = None
-            for event in self.generate_stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                              max_draft_len):
-                tokens.extend(event.token_ids)
-            stats = event.stats if event else GenerationStats()
-            reason = event.finish_reason if event else "length"
-            results.append(GenerationResult(tokens, self.decode(tokens), stats, reason,
-                                            prompt_tokens=len(self.encode(prompt))))
-        return results
+        return [collect_result(self.generate_stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
+                                                    max_draft_len), self.decode, len(self.encode(prompt)))
+                for prompt in prompts]
 
     def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                         top_p: float = 1.0, seed: int | None = None, max_draft_len: int | None = None

@@ -20,7 +20,7 @@ import torch
 from ..artifacts import read_manifest
 from ..errors import EngineError
 from ..speculative import SamplingParams, accept_matching, accept_rejection, logits_to_probs, sample
-from .results import GenerationResult, GenerationStats, RequestError, StreamEvent
+from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling, collect_result
 from .runner import CausalLMRunner
 
 Prompt = str | Sequence[int]
@@ -121,15 +121,9 @@ class SpeculativeExecutor:
         generator = self._generator(seed)
         results = []
         for prompt in prompts:
-            tokens: list[int] = []
-            event = None
-            for event in self._stream(prompt, max_new_tokens, temperature, top_k, top_p, generator,
-                                      max_draft_len, stop_token_ids, with_text=False):
-                tokens.extend(event.token_ids)
-            stats = event.stats if event else GenerationStats()
-            reason = event.finish_reason if event else "length"
-            results.append(GenerationResult(tokens, self.decode(tokens), stats, reason,
-                                            prompt_tokens=len(self.encode(prompt))))
+            events = self._stream(prompt, max_new_tokens, temperature, top_k, top_p, generator, max_draft_len,
+                                  stop_token_ids, with_text=False)
+            results.append(collect_result(events, self.decode, len(self.encode(prompt))))
         return results
 
     def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -186,10 +180,7 @@ class SpeculativeExecutor:
     def _stream(self, prompt: Prompt, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator, max_draft_len: int | str | None, stop_token_ids,
                 with_text: bool = True) -> Iterator[StreamEvent]:
-        try:
-            params = SamplingParams(float(temperature), int(top_k), float(top_p))
-        except ValueError as exc:  # the request is bad, not the program: report it as such
-            raise RequestError(str(exc)) from None
+        params = checked_sampling(temperature, top_k, top_p)
         dynamic = max_draft_len == "auto"
         if not (max_draft_len is None or dynamic or isinstance(max_draft_len, int)):
             raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
