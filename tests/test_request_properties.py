@@ -1,0 +1,140 @@
+"""Property tests for the served model's request parsing (pipeline/triton/request_inputs.py).
+
+Whatever tensors a request carries (any subset of the input names plus unknown ones, any dtype, any shape,
+NaN / inf / extreme integers / empty arrays / bytes that are not UTF-8), ``parse_request`` either returns a
+GenerateArgs the executor can take, or raises RequestError: the one exception the Python model turns into an
+INVALID_ARG response naming the input. Any other exception would reach the client as "internal error".
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from pipeline.executor import RequestError
+from pipeline.triton.request_inputs import GenerateArgs, parse_request
+from pipeline.triton.torch_repo import INPUTS
+
+NAMES = [name for name, _, _ in INPUTS]  # text_input, input_ids, max_tokens, temperature, top_k, ...
+K_LIMIT = 4
+
+NUMERIC_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
+                                         np.uint64, np.float16, np.float32, np.float64, np.bool_, np.complex64)]
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=3)
+
+
+def _bytes_array(shape):
+    # What Triton hands the model for a BYTES tensor: an object array of bytes (any bytes, UTF-8 or not).
+    return hnp.arrays(np.object_, shape, elements=st.binary(max_size=12), fill=st.nothing())
+
+
+def any_array():
+    numeric = st.sampled_from(NUMERIC_DTYPES).flatmap(lambda dtype: hnp.arrays(dtype, SHAPES))
+    strings = st.one_of(hnp.arrays(hnp.byte_string_dtypes(max_len=4), SHAPES),
+                        hnp.arrays(hnp.unicode_string_dtypes(max_len=4), SHAPES))
+    return st.one_of(numeric, strings, SHAPES.flatmap(_bytes_array))
+
+
+def _int_values(dtype):
+    info = np.iinfo(dtype)
+    return st.one_of(st.integers(-2, 10).filter(lambda v: info.min <= v <= info.max),
+                     st.integers(int(info.min), int(info.max)))
+
+
+def plausible_array(name: str):
+    """Per-input values of the declared dtype and [1, 1] shape, mostly in range so the valid path is reached
+    often, with out-of-range, NaN, inf and extreme values mixed in."""
+    if name == "text_input":
+        return _bytes_array((1, 1))
+    if name == "input_ids":
+        return st.integers(0, 6).flatmap(lambda n: hnp.arrays(np.int32, (1, n), elements=_int_values(np.int32)))
+    if name in ("temperature", "top_p"):
+        values = st.one_of(st.floats(0, 1, width=32), st.floats(width=32, allow_nan=True, allow_infinity=True))
+        return hnp.arrays(np.float32, (1, 1), elements=values)
+    dtype = np.uint64 if name == "seed" else np.int32  # max_tokens, top_k, num_draft_tokens: INT32
+    return hnp.arrays(dtype, (1, 1), elements=_int_values(dtype))
+
+
+@st.composite
+def requests(draw, plausible: bool) -> dict[str, np.ndarray]:
+    if plausible:  # one prompt input and max_tokens most of the time, the optional inputs at random
+        prompt = draw(st.sampled_from([["text_input"]] * 3 + [["input_ids"]] * 3 + [[], NAMES[:2]]))
+        names = prompt + [name for name in NAMES[2:] if draw(st.booleans()) or name == "max_tokens"]
+        names = draw(st.permutations(names))  # also some without max_tokens
+        names = names[:len(names) - draw(st.sampled_from([0] * 7 + [1]))]
+        return {name: draw(plausible_array(name)) for name in names}
+    names = draw(st.lists(st.sampled_from(NAMES + ["unknown_input"]), unique=True, max_size=len(NAMES) + 1))
+    return {name: draw(any_array()) for name in names}
+
+
+def check(request: dict[str, np.ndarray]) -> GenerateArgs | None:
+    try:
+        args = parse_request(request.get, K_LIMIT)
+    except RequestError as exc:
+        # A clear error names the input it is about (or the text_input / input_ids pair) first.
+        assert str(exc).split(":")[0].split(" /")[0] in NAMES, str(exc)
+        return None
+    # Anything accepted is within the documented ranges and of plain Python types the executor takes.
+    assert isinstance(args.prompt, str) or all(type(t) is int for t in args.prompt)
+    assert type(args.max_new_tokens) is int and args.max_new_tokens >= 1
+    assert type(args.temperature) is float and math.isfinite(args.temperature) and args.temperature >= 0
+    assert type(args.top_k) is int and args.top_k >= 0
+    assert type(args.top_p) is float and 0 < args.top_p <= 1
+    assert args.seed is None or type(args.seed) is int
+    assert args.max_draft_len is None or (type(args.max_draft_len) is int and 0 <= args.max_draft_len <= K_LIMIT)
+    return args
+
+
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@SETTINGS
+@given(requests(plausible=False))
+def test_any_tensors_parse_or_raise_request_error(request):
+    check(request)
+
+
+@SETTINGS
+@given(requests(plausible=True))
+def test_declared_dtypes_with_any_values_parse_or_raise_request_error(request):
+    check(request)
+
+
+@SETTINGS
+@given(st.sampled_from(NAMES), st.data())
+def test_one_input_varied_in_a_valid_request(name, data):
+    # A valid request with one input replaced: reaches each input's own value checks (NaN, inf, extremes).
+    request = {"text_input": np.array([[b"def f(x):"]], dtype=np.object_), "max_tokens": np.array([[8]], np.int32)}
+    if name == "input_ids":
+        del request["text_input"]
+    request[name] = data.draw(st.one_of(plausible_array(name), any_array()))
+    check(request)
+
+
+@given(st.binary(max_size=16))
+def test_text_input_bytes_decode_or_name_utf8(raw):
+    request = {"text_input": np.array([[raw]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)}
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        try:
+            parse_request(request.get, K_LIMIT)
+        except RequestError as exc:
+            assert "not valid UTF-8" in str(exc)
+        else:
+            raise AssertionError(f"{raw!r} is not UTF-8 but was accepted")
+    else:
+        assert parse_request(request.get, K_LIMIT).prompt == text
+
+
+def test_valid_request_round_trips():
+    request = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32), "max_tokens": np.array([[8]], dtype=np.int32),
+               "temperature": np.array([[0.5]], dtype=np.float32), "top_k": np.array([[3]], dtype=np.int32),
+               "top_p": np.array([[0.25]], dtype=np.float32), "seed": np.array([[2**64 - 1]], dtype=np.uint64),
+               "num_draft_tokens": np.array([[0]], dtype=np.int32)}
+    args = check(request)
+    assert args == GenerateArgs([5, 6, 7], 8, 0.5, 3, 0.25, 2**64 - 1, 0)

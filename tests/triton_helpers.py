@@ -1,0 +1,66 @@
+"""Helpers for tests that run the real tritonserver: start one on loopback, and measure its memory."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+from pipeline.config import load_config
+from pipeline.triton.repository import deploy
+from pipeline.triton.server import Endpoints, TritonServer, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_server(config_path: Path, engines: Path, log_path: Path) -> TritonServer:
+    """Deploy the engines and start tritonserver on free loopback ports; the caller stops it."""
+    repo = deploy(load_config(config_path), engines).path
+    endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
+    return TritonServer(repo, endpoints, log_path=log_path).start(ready_timeout_s=400)  # slow on a busy 2-core box
+
+
+def server_pid(server: TritonServer) -> int:
+    assert server.running, "tritonserver is not running"
+    return server._process.pid  # noqa: SLF001 - TritonServer exposes no pid; the test needs it for /proc
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids += [int(p) for p in children.read_text().split()]
+        except OSError:  # the thread exited while we read
+            continue
+    return kids
+
+
+def _rss_bytes(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:  # the process exited
+        pass
+    return 0
+
+
+def process_tree_rss(pid: int) -> dict[int, int]:
+    """RSS in bytes of ``pid`` and all its descendants (tritonserver + its Python-backend stubs), by pid."""
+    rss, todo = {}, [pid]
+    while todo:
+        current = todo.pop()
+        if current in rss:
+            continue
+        rss[current] = _rss_bytes(current)
+        todo += _children(current)
+    return rss
+
+
+def load_script(name: str):
+    """Import scripts/<name>.py as a module (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"scripts_{name}", REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
