@@ -104,13 +104,13 @@ def cmd_bench(args) -> int:
     executor, source = open_executor(config, args.engines_dir, args.k_max)
     options = BenchOptions(prompt_sets=sets, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
                            k_max=args.k_max, repeats=args.repeats, skip_hf=args.skip_hf)
-    started = timestamp()
+    started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])  # the code that runs
     records, costs, notes = run_bench(executor, prompt_sets, options)
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
         "config": config.name, "loaded_from": source, "started": started, "finished": timestamp(),
-        "git_commit": git_commit(Path(__file__).resolve().parents[2]),
+        "git_commit": commit,
         "machine": machine_info(str(executor.device)),
         "options": {"prompt_sets": sets, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
                     "k_max": options.k_max, "repeats": args.repeats, "skip_hf": args.skip_hf,
