@@ -16,10 +16,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..executor.text import Prompt, TokenizerIO
 from ..executor.results import (GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling,
                                 collect_result)
 
-Prompt = str | Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-class TrtllmSpeculativeExecutor:
+class TrtllmSpeculativeExecutor(TokenizerIO):
     """Same generate()/generate_stream() contract as pipeline.executor.SpeculativeExecutor."""
 
     def __init__(self, target: EngineRunner, draft: EngineRunner | None, tokenizer, limits: EngineLimits,
@@ -122,16 +122,6 @@ class TrtllmSpeculativeExecutor:
             yield event
             if event.finished:
                 return
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt: text given but the executor has no tokenizer; pass token ids")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True) if self.tokenizer else ""
 
     # ---- the loop ---------------------------------------------------------------------------------------------
 

@@ -22,11 +22,11 @@ from ..errors import EngineError
 from ..speculative import SamplingParams, accept_matching, accept_rejection, logits_to_probs, sample
 from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling, collect_result
 from .runner import CausalLMRunner
+from .text import Prompt, TokenizerIO
 
-Prompt = str | Sequence[int]
 
 
-class SpeculativeExecutor:
+class SpeculativeExecutor(TokenizerIO):
     def __init__(self, target_model, draft_model, tokenizer, max_draft_len: int = 4, device: str = "cpu",
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
                  draft_len_limit: int | None = None, static_cache: bool | None = None, compile: bool = False):
@@ -132,18 +132,6 @@ class SpeculativeExecutor:
         """Yield tokens as each target step accepts them (one event per step)."""
         yield from self._stream(prompt, max_new_tokens, temperature, top_k, top_p, self._generator(seed),
                                 max_draft_len, stop_token_ids)
-
-    def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise RequestError("prompt: text given but the executor has no tokenizer; pass token ids")
-            return list(self.tokenizer(prompt)["input_ids"])
-        return [int(t) for t in prompt]
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(list(tokens), skip_special_tokens=True)
 
     # ---- the loop -------------------------------------------------------------------------------------------------
 
