@@ -155,13 +155,19 @@ def torch_dtype(name: str):
     return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
 
 
-def load_causal_lm(model: ResolvedModel, dtype: str, device: str = "cpu"):
-    """Load an HF causal LM from safetensors (pickle only when explicitly allowed), in eval mode."""
-    from transformers import AutoModelForCausalLM
+def load_causal_lm(model: ResolvedModel, dtype: str, device: str = "cpu", progress: bool = False):
+    """Load an HF causal LM from safetensors (pickle only when explicitly allowed), in eval mode.
 
+    ``progress`` shows transformers' loading bar: worth it in convert/build on multi-GB checkpoints, noise when a
+    server or benchmark loads the small engines again and again.
+    """
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # one bar per weight file is noise; our stages report their own progress
+    if progress:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
     files = weight_files(model)
     warn_remote_code(model)
     use_safetensors = files[0].suffix == ".safetensors"

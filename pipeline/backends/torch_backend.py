@@ -17,7 +17,7 @@ ENGINE_FILE = "engine.json"
 
 def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Path) -> dict:
     spec = getattr(config, role)
-    lm = load_causal_lm(model, spec.dtype)
+    lm = load_causal_lm(model, spec.dtype, progress=True)
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(model).save_pretrained(out_dir)
     return {"source": {"model": spec.model, "resolved_path": str(model.path), "kind": model.source,
@@ -44,7 +44,7 @@ def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir:
 def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> dict:
     spec = getattr(config, role)
     checkpoint = ResolvedModel(role, spec, checkpoint_dir, "local", None)
-    lm = load_causal_lm(checkpoint, spec.dtype)
+    lm = load_causal_lm(checkpoint, spec.dtype, progress=True)
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(checkpoint).save_pretrained(out_dir)
     limits = engine_limits(config, role)
