@@ -9,7 +9,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.executor import RequestError, SpeculativeExecutor
-from pipeline.models import load_tokenizer
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "x = [1, 2"]
 

@@ -10,9 +10,9 @@ import json
 from pathlib import Path
 
 from ..config import PipelineConfig
+from ..executor.loading import ENGINE_FILE
 from ..models import ResolvedModel, load_causal_lm, load_tokenizer
 
-ENGINE_FILE = "engine.json"
 
 
 def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Path) -> dict:

@@ -20,7 +20,8 @@ from ..errors import CompatibilityError, EngineError
 from ..models import ResolvedModel, load_tokenizer, read_hf_config
 from .trtllm_api import (PINNED_VERSION, build_argv, convert_calls, format_argv, import_tensorrt_llm,
                          needs_generation_logits, require_cuda_gpu, require_trtllm_build, role_parallel)
-from .trtllm_loading import ENGINE_FILE, TOKENIZER_DIR
+from ..executor.loading import ENGINE_FILE
+from .trtllm_loading import TOKENIZER_DIR
 from .trtllm_preflight import (check_context_logits, check_target_spec_mode, raise_if_problems,
                                read_engine_config)
 from .trtllm_runtime import TrtllmSpeculativeExecutor

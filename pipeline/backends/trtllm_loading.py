@@ -5,36 +5,23 @@ The only module that touches tensorrt_llm's runtime API (imported lazily, inside
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import read_manifest
+from ..executor.loading import read_engine_info
 from ..errors import EngineError
 from .trtllm_api import import_tensorrt_llm, require_cuda_gpu
 from .trtllm_preflight import preflight, raise_if_problems, read_engine_config
 from .trtllm_runtime import EngineLimits, EngineOutput, Sampling
 
-ENGINE_FILE = "engine.json"
 TOKENIZER_DIR = "tokenizer"
-
-
-def read_engine_json(root: Path, role: str) -> dict:
-    folder = Path(root) / role / "build"
-    manifest = read_manifest(folder) if folder.exists() else None
-    if manifest is None:
-        raise EngineError(f"{folder}: no completed engine; run `python -m pipeline build CONFIG` first")
-    path = folder / ENGINE_FILE
-    if not path.is_file():
-        raise EngineError(f"{path}: missing; the engine folder is incomplete, rebuild it with --force")
-    return json.loads(path.read_text())
 
 
 def check_pair(root: Path, installed_version: str | None, target_device_ids: list[int] | None = None,
                draft_device_ids: list[int] | None = None) -> tuple[dict, dict]:
     """engine.json of target and draft after every pre-flight check passed (raises EngineError otherwise)."""
     root = Path(root)
-    info = {role: read_engine_json(root, role) for role in ("target", "draft")}
+    info = {role: read_engine_info(root, role) for role in ("target", "draft")}
     if info["target"]["config_name"] != info["draft"]["config_name"]:
         raise EngineError(f"{root}: target engine was built for config {info['target']['config_name']!r} but the "
                           f"draft for {info['draft']['config_name']!r}; rebuild both with one config")

@@ -38,7 +38,6 @@ class DraftProfile:
             return f"{self.draft}: {self.status}: {self.reason}"
         k = self.best_k
         tokens = expected_tokens_from_survival(self.acceptance_by_position, k)
-        cost = step_cost(k, self.cost_ratio_c, self.verify_cost_ratio[k - 1])
         by_pos = " ".join(f"{p:.2f}" for p in self.acceptance_by_position)
         return (f"{self.draft}: acceptance by position [{by_pos}], c = {self.cost_ratio_c:.3f}; K={k} maximises "
                 f"(1 + accepted by position[:K]) / (K c + verify_K) = {tokens:.2f} / ({k} x {self.cost_ratio_c:.3f} "

@@ -11,16 +11,15 @@ catches up by feeding [last draft token, bonus] in one forward.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from ..artifacts import read_manifest
 from ..errors import EngineError
 from ..speculative import SamplingParams, accept_matching, accept_rejection, logits_to_probs, sample
 from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling, collect_result
+from .loading import load_engine_model, read_engine_info
 from .runner import CausalLMRunner
 from .text import Prompt, TokenizerIO
 
@@ -85,7 +84,7 @@ class SpeculativeExecutor(TokenizerIO):
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False):
         """Load the engines built for one config: ``engines/<name>`` (holding target/build and draft/build)."""
         root = Path(path)
-        engines = {role: _read_engine(root, role) for role in ("target", "draft")}
+        engines = {role: read_engine_info(root, role) for role in ("target", "draft")}
         if {e["backend"] for e in engines.values()} == {"trtllm"}:
             from ..backends.trtllm import TrtllmSpeculativeExecutor
 
@@ -95,8 +94,7 @@ class SpeculativeExecutor(TokenizerIO):
             raise EngineError(f"{root}: target engine was built for config {target_info['config_name']!r} but the "
                               f"draft for {draft_info['config_name']!r}; rebuild both with one config")
         from ..models import load_tokenizer
-        from .loading import load_engine_model
-
+        
         device = device or _auto_device()
         target_model, target_spec = load_engine_model(root / "target" / "build", target_info)
         draft_model, _ = load_engine_model(root / "draft" / "build", draft_info)
@@ -293,15 +291,3 @@ def _load(source, role: str, dtype: str, trust_remote_code: bool):
     spec = ModelSpec(model=str(source), dtype=dtype, trust_remote_code=trust_remote_code)
     resolved = resolve_model(spec, role, Path.cwd())
     return load_causal_lm(resolved, dtype), load_tokenizer(resolved)
-
-
-def _read_engine(root: Path, role: str) -> dict:
-    folder = root / role / "build"
-    manifest = read_manifest(folder) if folder.exists() else None
-    if manifest is None:
-        raise EngineError(f"{folder}: no completed engine; run `python -m pipeline build CONFIG` (or `make "
-                          f"build-engines`) first")
-    engine_file = folder / "engine.json"
-    if not engine_file.is_file():
-        raise EngineError(f"{engine_file}: missing; the engine folder is incomplete, rebuild it with --force")
-    return json.loads(engine_file.read_text())
