@@ -66,8 +66,13 @@ class CausalLMRunner:
         if self.static_len is not None and self._len + count > self.static_len:
             raise ValueError(f"sequence of {self._len + count} tokens exceeds the static cache ({self.static_len})")
         input_ids = torch.tensor([tokens], dtype=torch.long, device=self.device)  # [1, T]
-        call = self._compiled if self._compiled is not None and count <= COMPILED_MAX_TOKENS else self._call
-        logits = call(input_ids, keep_last)
+        if self._compiled is not None and count <= COMPILED_MAX_TOKENS:
+            # Every position's logits, so the graph varies only in the token count (one graph for 1 token, one
+            # dynamic graph for the rest): varying keep_last too multiplied the graphs until dynamo's recompile
+            # limit sent calls back to the slow eager path.
+            logits = self._compiled(input_ids, count)
+        else:
+            logits = self._call(input_ids, keep_last)
         self._len += count
         return logits[0, -keep_last:].float()
 
