@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ..executor.limits import check_request
 from ..executor.text import Prompt, TokenizerIO
 from ..executor.results import (GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling,
                                 collect_result)
@@ -183,22 +184,6 @@ class TrtllmSpeculativeExecutor(TokenizerIO):
         return StreamEvent(new_tokens, self.decode(generated)[len(before):], reason is not None, reason, stats)
 
     def _validate(self, prompt_ids: list[int], max_new_tokens: int, k: int) -> None:
-        lim = self.limits
-        if not prompt_ids:
-            raise RequestError("prompt: empty; give at least one token")
-        if max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens: {max_new_tokens} must be >= 0")
-        if k < 0:
-            raise RequestError(f"max_draft_len: {k} must be >= 0 (0 = target-only decoding)")
-        if k > 0 and self.draft is None:
-            raise RequestError("max_draft_len: this executor has no draft engine; use 0")
-        if k > lim.max_draft_len:
-            raise RequestError(f"max_draft_len: {k} is larger than the {lim.max_draft_len} the target engine was "
-                               f"built for; lower it or rebuild with speculative.max_draft_len: {k}")
-        if len(prompt_ids) > lim.max_input_len:
-            raise RequestError(f"prompt: {len(prompt_ids)} tokens exceeds max_input_len {lim.max_input_len}; "
-                               f"shorten it or rebuild with a larger build.max_input_len")
-        if len(prompt_ids) + max_new_tokens > lim.max_seq_len:
-            raise RequestError(f"max_new_tokens: {len(prompt_ids)} prompt + {max_new_tokens} new tokens exceeds "
-                               f"max_seq_len {lim.max_seq_len}; ask for at most "
-                               f"{max(lim.max_seq_len - len(prompt_ids), 0)} new tokens")
+        check_request(prompt_ids, max_new_tokens, k, has_draft=self.draft is not None,
+                      draft_len_limit=self.limits.max_draft_len, max_input_len=self.limits.max_input_len,
+                      max_seq_len=self.limits.max_seq_len)

@@ -19,6 +19,7 @@ import torch
 from ..errors import EngineError
 from ..speculative import SamplingParams, accept_matching, accept_rejection, logits_to_probs, sample
 from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling, collect_result
+from .limits import check_request
 from .loading import load_engine_model, read_engine_info
 from .runner import CausalLMRunner
 from .text import Prompt, TokenizerIO
@@ -142,26 +143,9 @@ class SpeculativeExecutor(TokenizerIO):
         return generator
 
     def _validate(self, prompt_ids: list[int], max_new_tokens: int, k: int) -> None:
-        if not prompt_ids:
-            raise RequestError("prompt: empty; give at least one token")
-        if max_new_tokens < 0:
-            raise RequestError(f"max_new_tokens: {max_new_tokens} must be >= 0")
-        if k < 0:
-            raise RequestError(f"max_draft_len: {k} must be >= 0 (0 = target-only decoding)")
-        if k > 0 and self.draft is None:
-            raise RequestError("max_draft_len: this executor has no draft model; use 0")
-        if self.draft_len_limit is not None and k > self.draft_len_limit:
-            raise RequestError(f"max_draft_len: {k} is larger than the {self.draft_len_limit} the target engine was "
-                               f"built for; lower it or rebuild with speculative.max_draft_len: {k}")
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise RequestError(f"prompt: token ids must be in [0, {self.vocab_size})")
-        if self.max_input_len is not None and len(prompt_ids) > self.max_input_len:
-            raise RequestError(f"prompt: {len(prompt_ids)} tokens exceeds max_input_len {self.max_input_len}; "
-                               f"shorten it or rebuild with a larger build.max_input_len")
-        if self.max_seq_len is not None and len(prompt_ids) + max_new_tokens > self.max_seq_len:
-            raise RequestError(f"max_new_tokens: {len(prompt_ids)} prompt + {max_new_tokens} new tokens exceeds "
-                               f"max_seq_len {self.max_seq_len}; ask for at most "
-                               f"{max(self.max_seq_len - len(prompt_ids), 0)} new tokens")
+        check_request(prompt_ids, max_new_tokens, k, has_draft=self.draft is not None,
+                      draft_len_limit=self.draft_len_limit, max_input_len=self.max_input_len,
+                      max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
 
     def _stream(self, prompt: Prompt, max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                 generator: torch.Generator, max_draft_len: int | str | None, stop_token_ids,
