@@ -38,8 +38,8 @@ ifeq ($(CONFIG),configs/code-pair.yaml)
 PAIR_DEP := $(CODE_PAIR)
 endif
 
+# `build` runs the check stage itself (weights headers included) before writing anything.
 build-engines: $(VENV)/.installed $(PAIR_DEP)
-	$(PY) -m pipeline check $(CONFIG)
 	$(PY) -m pipeline build $(CONFIG) $(ARGS)
 
 check convert build: $(VENV)/.installed $(PAIR_DEP)

@@ -34,9 +34,9 @@ class Layout:
         return self.root / role / stage
 
 
-def run_check(config: PipelineConfig, with_weights: bool = False, quiet: bool = False) -> CheckReport:
+def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport:
     report = check_pair(config, with_weights=with_weights)
-    for line in [] if quiet else report.ok:
+    for line in report.ok:
         print(f"  ok       {line}")
     for line in report.warnings:
         print(f"  warning  {line}", file=sys.stderr)
@@ -114,7 +114,8 @@ def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...
     written under engines/.
     """
     if "convert" in stages:
-        run_check(config, with_weights=True, quiet=True)
+        print(f"check {config.name} ({config.backend} backend)")
+        run_check(config, with_weights=True)
     layout = Layout.for_config(config, engines_dir)
     results: list[StageResult] = []
     with build_lock(layout.root):

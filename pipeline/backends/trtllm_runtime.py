@@ -98,9 +98,10 @@ class TrtllmSpeculativeExecutor(TokenizerIO):
                  ) -> list[GenerationResult]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts: pass a list of prompts (strings or token-id lists), not a single prompt")
-        return [collect_result(self.generate_stream(prompt, max_new_tokens, temperature, top_k, top_p, seed,
-                                                    max_draft_len), self.decode, len(self.encode(prompt)))
-                for prompt in prompts]
+        token_lists = [self.encode(prompt) for prompt in prompts]  # once: generate_stream takes ids as they are
+        return [collect_result(self.generate_stream(ids, max_new_tokens, temperature, top_k, top_p, seed,
+                                                    max_draft_len), self.decode, len(ids))
+                for ids in token_lists]
 
     def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                         top_p: float = 1.0, seed: int | None = None, max_draft_len: int | None = None
@@ -115,11 +116,12 @@ class TrtllmSpeculativeExecutor(TokenizerIO):
             return
         stats = GenerationStats()
         generated: list[int] = []
+        text = ""
         while len(generated) < max_new_tokens:
             k = min(k_max, max_new_tokens - len(generated) - 1)  # a step emits up to k + 1 tokens
             new_tokens, drafted, accepted = self._step(seq, k, sampling)
             stats.record_step(drafted, accepted)
-            event = self._emit(new_tokens, generated, seq, max_new_tokens, stats)
+            event, text = self._emit(new_tokens, generated, seq, max_new_tokens, stats, text)
             yield event
             if event.finished:
                 return
@@ -166,22 +168,23 @@ class TrtllmSpeculativeExecutor(TokenizerIO):
         out = self.target.generate(seq, max_new_tokens, sampling)
         for _ in out.token_ids:
             stats.record_step(0, 0)  # plain decoding: one target step per token
-        yield self._emit(out.token_ids[:max_new_tokens], [], seq, max_new_tokens, stats, force_final=True)
+        yield self._emit(out.token_ids[:max_new_tokens], [], seq, max_new_tokens, stats, "", force_final=True)[0]
 
     def _emit(self, new_tokens: list[int], generated: list[int], seq: list[int], max_new_tokens: int,
-              stats: GenerationStats, force_final: bool = False) -> StreamEvent:
+              stats: GenerationStats, text_before: str, force_final: bool = False) -> tuple[StreamEvent, str]:
+        """The event for one step's tokens and the decoded text so far (passed back in, so each step decodes once)."""
         reason = None
         for i, token in enumerate(new_tokens):
             if token in self.eos_token_ids:
                 new_tokens, reason = new_tokens[:i + 1], "eos"  # the EOS is emitted; nothing after it
                 break
-        before = self.decode(generated)
         seq.extend(new_tokens)
         generated.extend(new_tokens)
         stats.generated_tokens = len(generated)
         if reason is None and (len(generated) >= max_new_tokens or force_final or not new_tokens):
             reason = "length"
-        return StreamEvent(new_tokens, self.decode(generated)[len(before):], reason is not None, reason, stats)
+        text = self.decode(generated)
+        return StreamEvent(new_tokens, text[len(text_before):], reason is not None, reason, stats), text
 
     def _validate(self, prompt_ids: list[int], max_new_tokens: int, k: int) -> None:
         check_request(prompt_ids, max_new_tokens, k, has_draft=self.draft is not None,

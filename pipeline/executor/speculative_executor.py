@@ -120,9 +120,10 @@ class SpeculativeExecutor(TokenizerIO):
         generator = self._generator(seed)
         results = []
         for prompt in prompts:
-            events = self._stream(prompt, max_new_tokens, temperature, top_k, top_p, generator, max_draft_len,
+            ids = self.encode(prompt)  # once: _stream takes the ids as they are
+            events = self._stream(ids, max_new_tokens, temperature, top_k, top_p, generator, max_draft_len,
                                   stop_token_ids, with_text=False)
-            results.append(collect_result(events, self.decode, len(self.encode(prompt))))
+            results.append(collect_result(events, self.decode, len(ids)))
         return results
 
     def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
