@@ -1,4 +1,4 @@
-"""The speculative executor: the draft proposes, the target verifies K tokens in one pass."""
+"""The speculative executor: the draft proposes, the target verifies K tokens in one pass, requests batched."""
 
 from .results import GenerationResult, GenerationStats, RequestError, StreamEvent
 from .speculative_executor import SpeculativeExecutor

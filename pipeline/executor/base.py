@@ -1,0 +1,87 @@
+"""The executor contract both backends implement, and everything in it that is not backend-specific.
+
+A backend provides ``_run(requests)``: advance the given requests (one batch) until each finishes, yielding
+``(request, StreamEvent)`` after every target step. Prompt encoding, request checks, K parsing, seeds, stop and
+length handling, statistics and results are shared here, so the torch and the TensorRT-LLM executors cannot drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from .limits import check_request
+from .request import DraftLen, SpecRequest, make_generator, parse_draft_len, sampling_params
+from .results import GenerationResult, RequestError, StreamEvent
+from .text import Prompt, TokenizerIO
+
+
+class ExecutorBase(TokenizerIO):
+    """generate() / generate_stream() over ``_run``; subclasses set the attributes below."""
+
+    max_draft_len: int = 0  # the executor's default K
+    draft_len_limit: int | None = None  # K the target engine was built for (None = no limit)
+    max_input_len: int | None = None
+    max_seq_len: int | None = None
+    vocab_size: int | None = None  # ids a prompt may hold (None = unchecked)
+    eos_token_ids: list[int] = []
+    device = "cpu"  # where request generators live
+
+    @property
+    def has_draft(self) -> bool:
+        raise NotImplementedError
+
+    def _run(self, requests: list[SpecRequest]) -> Iterator[tuple[SpecRequest, StreamEvent]]:
+        raise NotImplementedError
+
+    # ---- public API -----------------------------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | Sequence[int] | None = None, max_draft_len: DraftLen = None,
+                 stop_token_ids: Sequence[int] | None = None) -> list[GenerationResult]:
+        """Generate for each prompt (a string or a list of token ids) as one batch; one result per prompt, in order.
+
+        ``max_draft_len``: K for this call (0 = target-only decoding on the same runtime, "auto" = dynamic K that
+        follows the observed acceptance, up to the executor's K); None uses the executor's K. ``seed`` seeds each
+        prompt's own random stream (one int for every prompt, or one per prompt; None = fresh randomness), so a
+        result depends only on its own prompt, parameters and seed: the same prompt and seed give the same tokens
+        whatever else runs in the batch.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise RequestError("prompts: pass a list of prompts (strings or token-id lists), not a single prompt")
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise RequestError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt or one int")
+        requests = [self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, one_seed, max_draft_len,
+                                     stop_token_ids, with_text=False) for prompt, one_seed in zip(prompts, seeds)]
+        for _ in self._run(requests):
+            pass
+        return [request.result(self.decode) for request in requests]
+
+    def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                        top_p: float = 1.0, seed: int | None = None, max_draft_len: DraftLen = None,
+                        stop_token_ids: Sequence[int] | None = None) -> Iterator[StreamEvent]:
+        """Yield tokens as each target step accepts them (one event per step)."""
+        request = self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
+                                   stop_token_ids)
+        for _, event in self._run([request]):
+            yield event
+
+    def new_request(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
+                    top_p: float = 1.0, seed: int | None = None, max_draft_len: DraftLen = None,
+                    stop_token_ids: Sequence[int] | None = None, with_text: bool = True) -> SpecRequest:
+        """A checked request; raises RequestError naming the value and the fix."""
+        params = sampling_params(temperature, top_k, top_p)
+        plan = parse_draft_len(max_draft_len, self.max_draft_len)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise RequestError(f"max_new_tokens: {max_new_tokens!r} must be an int >= 0")
+        ids = self.encode(prompt)
+        check_request(ids, max_new_tokens, plan.k_max, has_draft=self.has_draft,
+                      draft_len_limit=self.draft_len_limit, max_input_len=self.max_input_len,
+                      max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        eos = frozenset(self.eos_token_ids)
+        request = SpecRequest(ids, max_new_tokens, params, plan, make_generator(seed, self.device),
+                              seeded=seed is not None, stop_ids=eos | frozenset(int(t) for t in stop_token_ids or ()),
+                              eos_ids=eos, decode=self.decode if with_text else None)
+        if max_new_tokens == 0:
+            request.finish_reason = "length"
+        return request

@@ -1,0 +1,115 @@
+"""How many tokens to draft per step when the batch grows: K chosen from measured costs and acceptance.
+
+At batch 1 verifying K+1 tokens costs about as much as one, so drafting pays whenever the draft is cheap and
+accepted. As the batch grows the target forward becomes compute-bound: K+1 tokens per row cost up to K+1 times
+one, and drafting stops paying (vLLM turns speculation off above a batch size; TensorRT-LLM tunes K per batch).
+The policy picks the K that maximises expected emitted tokens per second for the batch at hand:
+
+    tokens(K) = sum over rows of (1 - a_r^(K+1)) / (1 - a_r)          (Leviathan et al., i.i.d. acceptance a_r)
+    time(K)   = K * draft_forward(rows tokens) + target_forward(rows * (K+1) tokens)
+
+with forward times measured on this machine (a short calibration when the engine starts, then every forward the
+engine runs) and each row's acceptance estimated from its own history, shrunk towards the engine-wide rate.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Sequence
+
+import torch
+
+from ..bench.analytic import expected_tokens_per_step
+
+PRIOR_WEIGHT = 8.0  # draft tokens' worth of weight on the engine-wide rate in a row's acceptance estimate
+
+
+class ForwardCost:
+    """Seconds one forward takes as a function of the tokens it processes (all rows together).
+
+    Keeps the minimum seen per token count (the machine is shared; the minimum is the least noisy estimate of what
+    the forward costs) and interpolates linearly between measured counts.
+    """
+
+    def __init__(self):
+        self.points: dict[int, float] = {}
+
+    def record(self, tokens: int, seconds: float) -> None:
+        if tokens > 0 and seconds > 0:
+            self.points[tokens] = min(seconds, self.points.get(tokens, float("inf")))
+
+    def __call__(self, tokens: int) -> float:
+        if not self.points:
+            return float(tokens)  # uncalibrated: proportional to work
+        xs = sorted(self.points)
+        if tokens <= xs[0]:
+            return self.points[xs[0]]
+        if tokens >= xs[-1]:
+            if len(xs) == 1:
+                return self.points[xs[0]] * tokens / xs[0]
+            x0, x1 = xs[-2], xs[-1]  # extrapolate the last segment's slope
+            slope = max((self.points[x1] - self.points[x0]) / (x1 - x0), 0.0)
+            return self.points[x1] + slope * (tokens - x1)
+        i = bisect.bisect_left(xs, tokens)
+        x0, x1 = xs[i - 1], xs[i]
+        w = (tokens - x0) / (x1 - x0)
+        return self.points[x0] * (1 - w) + self.points[x1] * w
+
+
+class DraftPolicy:
+    """Chooses the batch's K cap each step; rows keep their own K below it."""
+
+    def __init__(self, k_max: int):
+        self.k_max = k_max
+        self.target = ForwardCost()
+        self.draft = ForwardCost()
+        self.drafted = 0  # engine-wide totals, the prior for rows with little history
+        self.accepted = 0
+
+    @property
+    def prior_rate(self) -> float:
+        return (self.accepted + 0.5 * PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
+
+    def row_rate(self, drafted: int, accepted: int) -> float:
+        rate = (accepted + self.prior_rate * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+        return min(max(rate, 0.0), 0.999)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        self.drafted += drafted
+        self.accepted += accepted
+
+    def choose(self, row_rates: Sequence[float], row_limits: Sequence[int]) -> int:
+        """The K cap maximising expected tokens per second for rows with these acceptance estimates and K limits."""
+        rows = len(row_rates)
+        if rows == 0:
+            return 0
+        best_k, best = 0, rows / self.target(rows)
+        for k in range(1, self.k_max + 1):
+            ks = [min(k, limit) for limit in row_limits]
+            tokens = sum(expected_tokens_per_step(a, kr) for a, kr in zip(row_rates, ks))
+            drafting = sum(1 for kr in ks if kr > 0)
+            seconds = k * self.draft(drafting) + self.target(sum(kr + 1 for kr in ks))
+            if tokens / seconds > best:
+                best_k, best = k, tokens / seconds
+        return best_k
+
+    @torch.inference_mode()
+    def calibrate(self, target_model, draft_model, max_rows: int, device, vocab: int, repeats: int = 3) -> None:
+        """Time plain forwards (no cache, a short context) at the token counts the engine will use."""
+        widths = sorted({1, self.k_max + 1})
+        rows = sorted({1, 2, 4, 8, 16, 32, max_rows} & set(range(1, max_rows + 1)))
+        generator = torch.Generator().manual_seed(0)
+        for model, cost, model_widths in ((target_model, self.target, widths), (draft_model, self.draft, [1])):
+            if model is None:
+                continue
+            for b in rows:
+                for t in model_widths:
+                    ids = torch.randint(0, vocab, (b, t), generator=generator).to(device)
+                    model(input_ids=ids)  # warm-up (allocator, kernels)
+                    for _ in range(repeats):
+                        start = time.perf_counter()
+                        model(input_ids=ids)
+                        if torch.device(device).type == "cuda":
+                            torch.cuda.synchronize()
+                        cost.record(b * t, time.perf_counter() - start)

@@ -1,0 +1,178 @@
+"""The batched speculative engine (torch backend): every running request advances in each step together.
+
+Per step, for the running requests (rows) at once:
+  1. Admit: waiting requests take free slots; each new one's prompt is prefilled into both KV caches alone.
+  2. Draft: one batched draft forward per draft position; row r drafts its own k_r tokens (0 for target-only
+     rows), and its first forward also catches up on tokens the draft has not seen.
+  3. Verify: one batched target forward over every row's unseen tokens + its k_r draft tokens.
+  4. Accept: the pure accept rule per row, with the row's own sampling parameters and random generator.
+  5. Roll back: each row's KV caches drop that row's rejected positions; finished rows leave their slots.
+Rows differ in length, K, sampling parameters, seed, stop tokens and max_new_tokens; a row's tokens depend only on
+its own request (each has its own generator, and the mask keeps rows from seeing each other).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample
+from .draft_policy import DraftPolicy
+from .model_runner import BatchModelRunner
+from .request import SpecRequest
+from .results import StreamEvent
+from .scheduler import Scheduler
+
+
+class SpeculativeEngine:
+    def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
+                 k_max: int, acceptance: str = "rejection", adaptive_k: bool = False, compile: bool = False):
+        """``max_tokens``: longest sequence (prompt + generated) a row holds; ``adaptive_k``: cap K per step
+        from measured costs and acceptance (for serving; a result never depends on it, see SpecRequest)."""
+        self.device = torch.device(device)
+        self.target = BatchModelRunner(target_model, self.device, max_batch, max_tokens, compile)
+        self.draft = BatchModelRunner(draft_model, self.device, max_batch, max_tokens, compile) \
+            if draft_model is not None else None
+        self.vocab_size = vocab_size  # ids both models have (padded embedding rows are not tokens)
+        self.acceptance = acceptance
+        self.scheduler = Scheduler(max_batch)
+        self.policy = DraftPolicy(k_max) if adaptive_k and draft_model is not None and k_max > 0 else None
+        if self.policy is not None:
+            self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
+
+    # ---- the server-facing API ------------------------------------------------------------------------------------
+
+    def add(self, request: SpecRequest) -> None:
+        self.scheduler.add(request)
+
+    def cancel(self, request: SpecRequest) -> StreamEvent | None:
+        """Stop a request; its slot is freed at the next step. None when it had already finished."""
+        if request.finished:
+            return None
+        self.scheduler.drop_waiting(request)
+        return request.cancel()
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def step(self) -> list[tuple[SpecRequest, StreamEvent]]:
+        """Advance every running request by one target step; returns each one's event."""
+        self._retire()
+        for slot, request in self.scheduler.admit():
+            self._prefill(slot, request)
+        rows = self.scheduler.running
+        if not rows:
+            return []
+        ks = self._draft_lens(rows)
+        drafts, draft_probs = self._propose(rows, ks)
+        events = self._verify(rows, ks, drafts, draft_probs)
+        self._retire()
+        return events
+
+    # ---- the step's parts -----------------------------------------------------------------------------------------
+
+    def _prefill(self, slot: int, request: SpecRequest) -> None:
+        # The last prompt token stays unseen: it is the first input of the request's first step.
+        context = request.sequence[:-1]
+        self.target.prefill(slot, context)
+        if self.draft is not None and request.plan.k_max > 0:
+            self.draft.prefill(slot, context)
+
+    def _draft_lens(self, rows: list[SpecRequest]) -> list[int]:
+        if self.draft is None:
+            return [0] * len(rows)
+        cap = None
+        if self.policy is not None:
+            rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
+            cap = self.policy.choose(rates, [r.draft_len() for r in rows])
+        return [r.draft_len(cap) for r in rows]
+
+    def _propose(self, rows: list[SpecRequest], ks: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
+        """Step 2: draft tokens per row ([k_r]) and, for sampled rows, the distributions they came from."""
+        drafts: list[list[int]] = [[] for _ in rows]
+        probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        for position in range(max(ks, default=0)):
+            inputs = []
+            for row, request in enumerate(rows):
+                if position >= ks[row]:
+                    inputs.append([])
+                elif position == 0:  # catch up on every token the draft has not seen
+                    inputs.append(request.sequence[self.draft.length(row):])
+                else:
+                    inputs.append([drafts[row][-1]])
+            used = max(row for row, tokens in enumerate(inputs) if tokens) + 1
+            logits = self.draft.forward(inputs[:used])[..., :self.vocab_size]  # [used, width, V]
+            self._record(self.policy.draft if self.policy else None, used * logits.shape[1], self.draft)
+            greedy = logits.argmax(-1)  # [used, width]
+            for row in range(used):
+                if not inputs[row]:
+                    continue
+                request, last = rows[row], len(inputs[row]) - 1
+                if request.params.greedy:
+                    drafts[row].append(int(greedy[row, last]))
+                else:
+                    row_probs = logits_to_probs(logits[row, last][None], request.params)  # [1, V]
+                    drafts[row].append(int(sample(row_probs, request.generator)))
+                    probs[row].append(row_probs)
+        return drafts, probs
+
+    def _verify(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]],
+                draft_probs: list[list[torch.Tensor]]) -> list[tuple[SpecRequest, StreamEvent]]:
+        """Steps 3-5: one target forward for all rows, then accept and roll back per row."""
+        inputs = [request.sequence[self.target.length(row):] + drafts[row] for row, request in enumerate(rows)]
+        logits = self.target.forward(inputs)[..., :self.vocab_size]  # [rows, width, V]
+        self._record(self.policy.target if self.policy else None, logits.shape[0] * logits.shape[1], self.target)
+        greedy = logits.argmax(-1)  # [rows, width]
+        events = []
+        for row, request in enumerate(rows):
+            k = ks[row]
+            first = len(inputs[row]) - k - 1  # position whose logits predict the first draft token
+            base = len(request.sequence)
+            tokens, accepted = self._accept(request, drafts[row], draft_probs[row],
+                                            logits[row, first:first + k + 1], greedy[row, first:first + k + 1])
+            # Step 5: drop the KV of rejected draft tokens; the emitted extra token is fed next step.
+            self.target.truncate(row, base + accepted)
+            if self.draft is not None:
+                self.draft.truncate(row, base + accepted)
+            if self.policy is not None:
+                self.policy.observe(k, accepted)
+            events.append((request, request.advance(tokens, k, accepted)))
+        return events
+
+    def _accept(self, request: SpecRequest, draft_tokens: list[int], draft_probs: list[torch.Tensor],
+                target_logits: torch.Tensor, target_argmax: torch.Tensor) -> tuple[list[int], int]:
+        """target_logits: [k+1, V]; target_argmax: [k+1]. Returns (tokens to emit, draft tokens accepted)."""
+        drafted = torch.tensor([draft_tokens], dtype=torch.long, device=target_logits.device)  # [1, k]
+        params = request.params
+        if params.greedy:
+            output, num_accepted = accept_matching(drafted, target_argmax[None])
+        else:
+            target_probs = logits_to_probs(target_logits, params)  # [k+1, V]
+            if self.acceptance == "rejection" and draft_tokens:
+                output, num_accepted = accept_rejection(drafted, torch.cat(draft_probs)[None], target_probs[None],
+                                                        generator=request.generator)
+            else:
+                output, num_accepted = accept_matching(drafted, sample(target_probs, request.generator)[None])
+        accepted = int(num_accepted[0])
+        return output[0, :accepted + 1].tolist(), accepted
+
+    def _record(self, cost, tokens: int, runner: BatchModelRunner) -> None:
+        if cost is not None:
+            cost.record(tokens, runner.last_seconds)
+
+    def _retire(self) -> None:
+        moves, freed = self.scheduler.retire()
+        for runner in (self.target, self.draft):
+            if runner is None:
+                continue
+            for src, dst in moves:
+                runner.move(src, dst)
+            for slot in freed:
+                runner.clear(slot)

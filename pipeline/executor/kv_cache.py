@@ -1,0 +1,126 @@
+"""KV memory for a batch of sequences of different lengths: one row (slot) per running request.
+
+Each layer keeps keys and values as ``[slots, kv_heads, capacity, head_dim]``; row ``s`` holds the KV of the first
+``lengths[s]`` tokens of the sequence in slot ``s``. A forward covers contiguous rows ``[first, first + rows)`` and writes
+each row's new tokens at that row's own positions, so rows advance by different amounts and a rejection is rolled
+back by lowering one row's length (stale entries past it are masked, then overwritten). Capacity grows by doubling
+up to a limit, so a short request never pays for the longest one the engine allows.
+
+The class plugs into any Hugging Face model through the ``Cache.update`` call every attention layer makes; the
+caller passes explicit position ids and a 4D attention mask built by :meth:`attention_mask`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import Cache
+
+
+class _SlotLayer:
+    """One attention layer's KV buffers; allocated on first use (head count and dim come from the model)."""
+
+    def __init__(self, owner: SlotKVCache):
+        self.owner = owner
+        self.keys: Tensor | None = None  # [slots, kv_heads, capacity, head_dim]
+        self.values: Tensor | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """key_states/value_states: [rows, kv_heads, T, head_dim] for rows [0, rows) of the current forward."""
+        owner = self.owner
+        rows, heads, _, dim = key_states.shape
+        if self.keys is None or self.keys.shape[2] < owner.capacity:
+            self._grow(heads, dim, key_states.dtype, key_states.device)
+        index = owner.write_index[:, None, :, None].expand(rows, heads, -1, dim)  # [rows, heads, T, dim]
+        lo = owner.first_row
+        keys, values = self.keys[lo:lo + rows], self.values[lo:lo + rows]  # views: writes land in the buffers
+        keys.scatter_(2, index, key_states)
+        values.scatter_(2, index, value_states)
+        return keys[:, :, :owner.kv_len], values[:, :, :owner.kv_len]
+
+    def _grow(self, heads: int, dim: int, dtype, device) -> None:
+        shape = (self.owner.slots, heads, self.owner.capacity, dim)
+        keys, values = torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+        if self.keys is not None:
+            old = self.keys.shape[2]
+            keys[:, :, :old] = self.keys
+            values[:, :, :old] = self.values
+        self.keys, self.values = keys, values
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        if self.keys is not None:
+            self.keys[dst, :, :length] = self.keys[src, :, :length]
+            self.values[dst, :, :length] = self.values[src, :, :length]
+
+
+class SlotKVCache(Cache):
+    """Per-row KV cache for ``slots`` sequences of up to ``max_tokens`` tokens each."""
+
+    def __init__(self, slots: int, max_tokens: int, initial: int = 256):
+        super().__init__(layers=[])
+        self.slots = slots
+        self.max_len = max_tokens + 1  # + one scratch position for padding
+        self.capacity = min(self.max_len, initial)
+        self.lengths = [0] * slots  # tokens cached per row (Python ints: no device sync to read them)
+        # Set by prepare() for the forward about to run:
+        self.first_row = 0  # the forward covers rows [first_row, first_row + rows)
+        self.write_index: Tensor | None = None  # [rows, T] cache position of each new token
+        self.kv_len = 0  # key/value positions the forward attends over
+
+    # ---- the Hugging Face Cache surface models use -----------------------------------------------------------
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_SlotLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths) if self.lengths else 0
+
+    # ---- bookkeeping ----------------------------------------------------------------------------------------
+
+    def prepare(self, counts: list[int], width: int, device, first_row: int = 0) -> tuple[Tensor, Tensor]:
+        """Get rows [first_row, first_row + len(counts)) ready to take ``counts[i]`` new tokens each, padded to
+        ``width``.
+
+        Returns (position_ids [rows, width], attention mask [rows, width, kv_len] bool, True = may attend).
+        Padding tokens are written past their row's length (harmless: never attended, later overwritten) and get
+        the row's last real position, so learned position embeddings never see an out-of-range index.
+        """
+        rows = len(counts)
+        lengths = self.lengths[first_row:first_row + rows]
+        if any(start + count >= self.max_len for start, count in zip(lengths, counts)):
+            raise ValueError(f"KV cache: a row would exceed its {self.max_len - 1} positions")
+        starts = torch.tensor(lengths, dtype=torch.long)  # [rows]
+        need = min(max(lengths) + width, self.max_len)
+        while self.capacity < need:
+            self.capacity = min(self.max_len, self.capacity * 2)
+        offsets = torch.arange(width)  # [width]
+        # The last position is scratch space: padding past a full row lands there, never on a real token.
+        self.first_row = first_row
+        self.write_index = (starts[:, None] + offsets[None, :]).clamp_max(self.max_len - 1).to(device)
+        self.kv_len = need
+        last = torch.tensor([max(c - 1, 0) for c in counts])  # [rows]
+        positions = starts[:, None] + torch.minimum(offsets[None, :], last[:, None])  # [rows, width]
+        keys = torch.arange(need)  # [kv_len]
+        # Token i of row r sits at starts[r] + i and sees every cached position up to and including its own.
+        allowed = keys[None, None, :] <= (starts[:, None, None] + offsets[None, :, None])  # [rows, width, kv_len]
+        return positions.to(device), allowed.to(device)
+
+    def advance(self, row: int, count: int) -> None:
+        self.lengths[row] += count
+
+    def truncate(self, row: int, length: int) -> None:
+        """Forget positions from ``length`` on in one row (rejected draft tokens)."""
+        self.lengths[row] = min(self.lengths[row], length)
+
+    @torch.inference_mode()  # the buffers were made in inference mode; only there may they be modified
+    def move(self, src: int, dst: int) -> None:
+        """Copy row ``src`` into row ``dst`` (keeps the running rows contiguous when one leaves)."""
+        for layer in self.layers:
+            layer.move(src, dst, self.lengths[src])
+        self.lengths[dst] = self.lengths[src]
+        self.lengths[src] = 0
+
+    def clear(self, row: int) -> None:
+        self.lengths[row] = 0

@@ -1,0 +1,157 @@
+"""One generation request as a plain object: its prompt, parameters, random stream and progress.
+
+Both executors (torch and trtllm) build requests here and feed each target step's tokens to
+:meth:`SpecRequest.advance`, which owns everything that is not backend-specific: the K to draft next (fixed or
+dynamic), the stop/EOS cut, the exact ``max_new_tokens`` limit, acceptance statistics and the UTF-8-safe text delta.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..speculative import SamplingParams
+from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling
+
+_ids = itertools.count()
+
+DraftLen = int | str | None  # an int K >= 0, "auto" (dynamic K) or None (the executor's K)
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    """How many tokens a request drafts per step."""
+
+    k_max: int  # upper bound (and the fixed K when not dynamic)
+    dynamic: bool = False  # follow the observed acceptance (next_draft_len) within 1..k_max
+
+
+def parse_draft_len(max_draft_len: DraftLen, default: int) -> DraftPlan:
+    """The request's K: an int >= 0, "auto" (dynamic, up to ``default``) or None (``default``)."""
+    if max_draft_len is None:
+        return DraftPlan(default)
+    if isinstance(max_draft_len, str):
+        if max_draft_len == "auto":
+            return DraftPlan(default, dynamic=default > 0)
+        raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
+    if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int):
+        raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
+    return DraftPlan(int(max_draft_len))
+
+
+def next_draft_len(current: int, drafted: int, accepted: int, limit: int) -> int:
+    """Dynamic K: lengthen after a fully accepted step, shorten after a rejection (within 1..limit).
+
+    Drafting past the first rejection is wasted draft time, and a run of full acceptances means the draft is
+    tracking the target well; the additive rule follows acceptance within a few steps without overshooting.
+    """
+    if accepted == drafted:
+        return min(limit, current + 1)
+    return max(1, current - 1)
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    """A request's own random stream: its samples never depend on other requests in the batch."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
+            raise RequestError(f"seed: {seed!r} must be an integer in [0, 2**64)")
+        generator.manual_seed(seed)
+    return generator
+
+
+@dataclass(eq=False)
+class SpecRequest:
+    """A request and its state. Created by ``ExecutorBase.new_request``; advanced one target step at a time."""
+
+    prompt_ids: list[int]  # [prompt_len] the prompt's token ids
+    max_new_tokens: int
+    params: SamplingParams
+    plan: DraftPlan
+    generator: torch.Generator
+    seeded: bool  # a seed was given: the sampled output must be reproducible, so K never adapts to the batch
+    stop_ids: frozenset[int]  # EOS ids plus the request's stop tokens
+    eos_ids: frozenset[int]
+    decode: object = None  # callable(list[int]) -> str, or None when no text is wanted per step
+    id: int = field(default_factory=lambda: next(_ids))
+    generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+    cancelled: bool = False
+    k_now: int = 0  # dynamic K's current value
+    _text_sent: str = ""
+
+    def __post_init__(self):
+        self.k_now = self.plan.k_max
+
+    # ---- what the next step may do ------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.max_new_tokens - len(self.generated)
+
+    @property
+    def sequence(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    def draft_len(self, cap: int | None = None) -> int:
+        """K for the next step: the request's own K (dynamic or fixed), never more than can be emitted (a step
+        emits up to K + 1 tokens), and within ``cap`` when the engine limits K for the whole batch. A seeded
+        sampling request ignores ``cap``: its random draws, hence its tokens, depend on the K it drafts."""
+        k = self.k_now if self.plan.dynamic else self.plan.k_max
+        if cap is not None and not (self.seeded and not self.params.greedy):
+            k = min(k, cap)
+        return max(0, min(k, self.remaining - 1))
+
+    # ---- one step's outcome --------------------------------------------------------------------------------------
+
+    def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int) -> StreamEvent:
+        """Record one target step that emitted ``new_tokens`` (accepted draft tokens + one target token)."""
+        self.stats.record_step(drafted, accepted)
+        if self.plan.dynamic and drafted > 0:
+            self.k_now = next_draft_len(self.k_now, drafted, accepted, self.plan.k_max)
+        tokens = list(new_tokens)[:self.remaining]
+        reason = None
+        for i, token in enumerate(tokens):
+            if token in self.stop_ids:
+                tokens = tokens[:i + 1]  # the stop token is emitted; nothing after it
+                reason = "eos" if token in self.eos_ids else "stop"
+                break
+        self.generated.extend(tokens)
+        self.stats.generated_tokens = len(self.generated)
+        if reason is None and (self.remaining <= 0 or not tokens):
+            reason = "length"
+        self.finish_reason = reason
+        return StreamEvent(tokens, self._text_delta(), reason is not None, reason, self.stats)
+
+    def cancel(self) -> StreamEvent:
+        """Finish now (the client went away); the event carries no tokens."""
+        self.cancelled = True
+        self.finish_reason = "cancelled"
+        return StreamEvent([], "", True, "cancelled", self.stats)
+
+    def _text_delta(self) -> str:
+        if self.decode is None:  # decoding the whole text each step is O(n^2): only streams need it
+            return ""
+        text = self.decode(self.generated)
+        # Hold back a trailing partial UTF-8 character until the next step completes it.
+        stable = text if self.finished or not text.endswith("\ufffd") else text[:len(self._text_sent)]
+        delta, self._text_sent = stable[len(self._text_sent):], stable
+        return delta
+
+    def result(self, text_of) -> GenerationResult:
+        return GenerationResult(list(self.generated), text_of(self.generated), self.stats,
+                                self.finish_reason or "length", prompt_tokens=len(self.prompt_ids))
+
+
+def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
+    return checked_sampling(temperature, top_k, top_p)
