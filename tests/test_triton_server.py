@@ -81,7 +81,9 @@ def request_inputs(module, prompt: str, max_tokens: int = MAX_TOKENS, max_tokens
 def test_http_greedy_matches_executor(server, expected):
     client = http_client(server)
     for prompt in PROMPTS[:2]:
-        result = client.infer("speculative", request_inputs(tritonclient_http, prompt))
+        # K named explicitly: the server then drafts exactly K (no batch-wide cap), so the statistics match too
+        result = client.infer("speculative", request_inputs(tritonclient_http, prompt,
+                                                            num_draft_tokens=np.array([[4]], dtype=np.int32)))
         want = expected[prompt]
         assert result.as_numpy("output_ids")[0].tolist() == want.token_ids
         assert result.as_numpy("text_output")[0, 0].decode() == want.text
@@ -209,3 +211,8 @@ def test_acceptance_metrics_are_exported(server):
     assert _metric(text, "spec_generated_tokens_total", "speculative") > 0
     assert _metric(text, "spec_requests_total", "speculative", 'outcome="ok"') >= 1
     assert "# TYPE spec_draft_tokens_total counter" in text
+    # the engine model counts all its work (proxied requests included) and reports its batch
+    assert _metric(text, "spec_draft_tokens_total", "speculative_stream") >= drafted
+    assert 0 <= _metric(text, "spec_batch_occupancy", "speculative_stream") <= 1
+    assert _metric(text, "spec_queue_depth", "speculative_stream") >= 0
+    assert "# TYPE spec_batch_occupancy gauge" in text

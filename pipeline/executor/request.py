@@ -27,6 +27,7 @@ class DraftPlan:
 
     k_max: int  # upper bound (and the fixed K when not dynamic)
     dynamic: bool = False  # follow the observed acceptance (next_draft_len) within 1..k_max
+    explicit: bool = False  # the caller named K: the engine drafts exactly that, never a lower batch-wide cap
 
 
 def parse_draft_len(max_draft_len: DraftLen, default: int) -> DraftPlan:
@@ -39,7 +40,7 @@ def parse_draft_len(max_draft_len: DraftLen, default: int) -> DraftPlan:
         raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
     if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int):
         raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
-    return DraftPlan(int(max_draft_len))
+    return DraftPlan(int(max_draft_len), explicit=True)
 
 
 def next_draft_len(current: int, drafted: int, accepted: int, limit: int) -> int:
@@ -105,10 +106,11 @@ class SpecRequest:
 
     def draft_len(self, cap: int | None = None) -> int:
         """K for the next step: the request's own K (dynamic or fixed), never more than can be emitted (a step
-        emits up to K + 1 tokens), and within ``cap`` when the engine limits K for the whole batch. A seeded
-        sampling request ignores ``cap``: its random draws, hence its tokens, depend on the K it drafts."""
+        emits up to K + 1 tokens), and within ``cap`` when the engine limits K for the whole batch. The cap is
+        ignored when the caller named K, and by a seeded sampling request: its random draws, hence its tokens,
+        depend on the K it drafts, and a seeded result must not depend on the batch it ran in."""
         k = self.k_now if self.plan.dynamic else self.plan.k_max
-        if cap is not None and not (self.seeded and not self.params.greedy):
+        if cap is not None and not self.plan.explicit and not (self.seeded and not self.params.greedy):
             k = min(k, cap)
         return max(0, min(k, self.remaining - 1))
 

@@ -1,10 +1,11 @@
-"""The torch backend's model repository: Python-backend models that run the SpeculativeExecutor.
+"""The torch backend's model repository: Python-backend models around one batched speculative engine.
 
-- ``speculative``         request/response: one response per request with the text, ids and acceptance stats
-- ``speculative_stream``  decoupled: one response per target step (the tokens that step accepted)
+- ``speculative_stream``  decoupled, one instance: hosts the engine (models loaded once); one response per target
+                          step. Every request, from either model, joins the engine's running batch.
+- ``speculative``         request/response: thin proxy instances that forward to ``speculative_stream`` (BLS) and
+                          answer with one response holding the text, ids and acceptance stats.
 
-Both run ``python_model/model.py`` (copied in as ``<model>/1/model.py``); each instance loads its own executor,
-so serving both doubles model memory (fine for the CPU reference path; the GPU production path is trtllm).
+Both run ``python_model/model.py`` (copied in as ``<model>/1/model.py``); the ``role`` parameter picks the part.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ INPUTS: list[tuple[str, str, list[int]]] = [
     ("num_draft_tokens", "INT32", [1]),
 ]
 REQUIRED_INPUTS = {"max_tokens"}  # text_input XOR input_ids is checked by the model
+# The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.
+ENGINE_INPUTS: list[tuple[str, str, list[int]]] = [("request_key", "STRING", [1]), ("cancel_request", "STRING", [1])]
 
 OUTPUTS: list[tuple[str, str, list[int]]] = [
     ("text_output", "STRING", [1]),
@@ -47,22 +50,28 @@ OUTPUTS: list[tuple[str, str, list[int]]] = [
 ]
 
 
-def model_config(config: PipelineConfig, name: str, decoupled: bool, engines_root: Path) -> mc.ModelConfig:
+def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: Path) -> mc.ModelConfig:
     model = mc.ModelConfig(name=name, backend="python", max_batch_size=config.build.max_batch_size)
-    model.model_transaction_policy.decoupled = decoupled
-    # Requests queue here and reach execute() together; the executor then runs them one after another.
+    model.model_transaction_policy.decoupled = engine
+    # Requests queue here and reach execute() together; the engine model only hands them to its running batch.
     model.dynamic_batching.max_queue_delay_microseconds = config.serve.max_queue_delay_us
-    for tname, dtype, dims in INPUTS:
-        model.input.append(tensor_in(tname, dtype, dims, optional=tname not in REQUIRED_INPUTS,
-                                     ragged=tname == "input_ids"))
+    for tname, dtype, dims in INPUTS + (ENGINE_INPUTS if engine else []):
+        # A cancel request carries nothing else, so the engine model checks max_tokens itself.
+        required = tname in REQUIRED_INPUTS and not engine
+        model.input.append(tensor_in(tname, dtype, dims, optional=not required, ragged=tname == "input_ids"))
     for tname, dtype, dims in OUTPUTS:
         model.output.append(tensor_out(tname, dtype, dims))
-    # KIND_CPU even on a GPU box: the executor places the models itself (runtime.device).
-    model.instance_group.append(cpu_instances(config.serve.instances))
+    # KIND_CPU even on a GPU box: the executor places the models itself (runtime.device). One engine instance (a
+    # second would load the models again and batch separately); enough proxies to keep the engine's batch full.
+    proxies = max(config.serve.instances, config.build.max_batch_size)
+    model.instance_group.append(cpu_instances(1 if engine else proxies))
     set_parameters(model, {
+        "role": "engine" if engine else "proxy",
+        "engine_model": STREAM_MODEL,
         "engines_dir": engines_root.resolve(),
         "pipeline_root": PIPELINE_ROOT,
         "device": "" if config.runtime.device == "auto" else config.runtime.device,
+        "adaptive_draft_len": "true",
         "config_name": config.name,
         "max_draft_len": config.speculative.max_draft_len,
     })
@@ -71,8 +80,8 @@ def model_config(config: PipelineConfig, name: str, decoupled: bool, engines_roo
 
 def write_torch_repository(repo: Path, config: PipelineConfig, engines_root: Path) -> list[Path]:
     folders = []
-    for name, decoupled in ((MODEL, False), (STREAM_MODEL, True)):
-        folder = write_model(repo, model_config(config, name, decoupled, engines_root))
+    for name, engine in ((MODEL, False), (STREAM_MODEL, True)):
+        folder = write_model(repo, model_config(config, name, engine, engines_root))
         shutil.copyfile(MODEL_FILE, folder / "1" / "model.py")
         folders.append(folder)
     return folders

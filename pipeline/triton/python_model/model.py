@@ -1,14 +1,26 @@
-"""Triton Python-backend model that serves the speculative executor (torch backend).
+"""Triton Python-backend models that serve the batched speculative engine (torch backend).
 
-Copied into the model repository as ``<model>/1/model.py`` by ``python -m pipeline deploy``. config.pbtxt
-parameters say where things are: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``
-(``engines/<name>`` with target/ and draft/ builds) and ``device``. A decoupled config streams one response per
-target step; otherwise each request gets one response. Every request also updates the custom metrics
-``spec_*_total`` exported on Triton's metrics port.
+Copied into the model repository as ``<model>/1/model.py`` by ``python -m pipeline deploy``; the config.pbtxt
+parameter ``role`` says which part this instance plays:
+
+- ``engine`` (model ``speculative_stream``, decoupled): loads the executor once and runs its engine on a background
+  thread (pipeline.executor.serving.EngineLoop). execute() only parses and submits, so every concurrent request,
+  from any client, shares the same draft and verify forwards (in-flight batching). One response per target step;
+  a client that cancels or disconnects frees its slot within a step.
+- ``proxy`` (model ``speculative``, one response per request): a thin instance, several in parallel, that forwards
+  its request to the engine model (BLS, decoupled), gathers the per-step responses into one, and cancels the engine
+  request when its own client goes away. Python-backend instances are separate processes, so this is how a
+  request/response model shares the engine instead of loading the models again.
+
+Other config.pbtxt parameters: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``,
+``device``, ``adaptive_draft_len``, ``engine_model``. Both export the counters ``spec_*_total`` on Triton's metrics
+port (the engine model counts all the work it did, proxied requests included; the proxy the requests it answered);
+the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``.
 """
 
 import json
 import sys
+import uuid
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -20,80 +32,145 @@ COUNTERS = [
     ("spec_target_steps_total", "Target forward passes (verification steps)", "target_steps"),
     ("spec_generated_tokens_total", "Tokens returned to clients", "generated_tokens"),
 ]
+KEY_INPUT = "request_key"  # set by the proxy on the requests it forwards
+CANCEL_INPUT = "cancel_request"  # a request holding only this cancels the engine request with that key
+OUTPUT_NAMES = ["text_output", "output_ids", "finish_reason", "prompt_tokens", "draft_tokens", "accepted_tokens",
+                "target_steps", "acceptance_rate", "mean_accepted_len"]
 
 
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
+        self.role = params.get("role", "engine")
+        self.labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.families = []  # families must outlive their metrics (Triton refuses updates to a freed family)
+        self.failed_requests = self._counter("spec_requests_total", "Requests by outcome",
+                                             {**self.labels, "outcome": "error"})
+        self.ok_requests = self.families[-1].Metric(labels={**self.labels, "outcome": "ok"})
+        self.logger = pb_utils.Logger
+        self.counters = {field: self._counter(name, description, self.labels)
+                         for name, description, field in COUNTERS}
+        if self.role == "proxy":
+            self.engine_model = params["engine_model"]
+            return
         if params["pipeline_root"] not in sys.path:
             sys.path.insert(0, params["pipeline_root"])
         from pipeline.executor import RequestError, SpeculativeExecutor
+        from pipeline.executor.serving import EngineLoop
         from pipeline.triton.request_inputs import parse_request
 
         self.RequestError = RequestError
         self.parse_request = parse_request
-        self.executor = SpeculativeExecutor.from_engines(params["engines_dir"], device=params.get("device") or None)
+        self.executor = SpeculativeExecutor.from_engines(
+            params["engines_dir"], device=params.get("device") or None,
+            adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true")
         self.k_limit = self.executor.draft_len_limit or self.executor.max_draft_len
-        self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.logger = pb_utils.Logger
-        labels = {"model": args["model_name"], "version": args["model_version"]}
-        # Families must outlive their metrics (Triton refuses to update a metric whose family was freed).
-        self.families, self.counters = [], {}
-        for name, description, field in COUNTERS:
-            family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
-            self.families.append(family)
-            self.counters[field] = family.Metric(labels=labels)
-        requests = pb_utils.MetricFamily(name="spec_requests_total", description="Requests by outcome",
-                                         kind=pb_utils.MetricFamily.COUNTER)
-        self.families.append(requests)
-        self.ok_requests = requests.Metric(labels={**labels, "outcome": "ok"})
-        self.failed_requests = requests.Metric(labels={**labels, "outcome": "error"})
+        self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
+        self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
+        self.loop = EngineLoop(self.executor.engine, on_step=self._on_step)
 
-    # ---- request handling ------------------------------------------------------------------------------------------
+    def finalize(self):
+        if self.role == "engine":
+            self.loop.stop()
 
     def execute(self, requests):
-        if self.decoupled:
-            for request in requests:
-                self._stream(request)
-            return None
-        return [self._respond(request) for request in requests]
+        if self.role == "proxy":
+            return [self._proxy(request) for request in requests]
+        for request in requests:
+            self._submit(request)
+        return None
 
-    def _args(self, request):
-        def get(name):
-            tensor = pb_utils.get_input_tensor_by_name(request, name)
-            return None if tensor is None else tensor.as_numpy()
+    # ---- engine role ---------------------------------------------------------------------------------------------
 
-        return self.parse_request(get, self.k_limit)
-
-    def _respond(self, request):
-        try:
-            args = self._args(request)
-            result = self.executor.generate([args.prompt], **args.executor_kwargs())[0]
-        except Exception as exc:  # noqa: BLE001 - one bad request must not take the server down
-            return self._error_response(exc)
-        self._count(result.stats)
-        return pb_utils.InferenceResponse(output_tensors=_tensors(
-            result.text, result.token_ids, result.finish_reason, result.prompt_tokens, result.stats))
-
-    def _stream(self, request):
+    def _submit(self, request):
         sender = request.get_response_sender()
+        cancel_key = _string_input(request, CANCEL_INPUT)
+        if cancel_key is not None:
+            self.loop.cancel_key(cancel_key)
+            sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
         try:
-            args = self._args(request)
-            prompt_tokens = len(self.executor.encode(args.prompt))
-            event = None
-            for event in self.executor.generate_stream(args.prompt, **args.executor_kwargs()):
-                response = pb_utils.InferenceResponse(output_tensors=_tensors(
-                    event.text, event.token_ids, event.finish_reason or "", prompt_tokens, event.stats))
-                flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.finished else 0
-                sender.send(response, flags=flags)
+            args = self.parse_request(lambda name: _input(request, name), self.k_limit)
+            spec_request = self.executor.new_request(args.prompt, **args.executor_kwargs())
         except Exception as exc:  # noqa: BLE001 - reported to this client; the model keeps serving others
             sender.send(self._error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        if event is not None:
-            self._count(event.stats)
+        prompt_tokens = len(spec_request.prompt_ids)
+
+        def on_event(event):
+            if isinstance(event, BaseException):
+                sender.send(self._error_response(event), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                return
+            if event.finished:
+                self._count(event.stats)
+            response = pb_utils.InferenceResponse(output_tensors=_tensors(
+                event.text, event.token_ids, event.finish_reason or "", prompt_tokens, event.stats))
+            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.finished else 0)
+
+        self.loop.submit(spec_request, on_event, is_cancelled=sender.is_cancelled,
+                         key=_string_input(request, KEY_INPUT))
+
+    def _on_step(self, running, waiting):
+        self.occupancy.set(running / self.executor.max_batch_size)
+        self.queue_depth.set(waiting)
+
+    # ---- proxy role -----------------------------------------------------------------------------------------------
+
+    def _proxy(self, request):
+        key = uuid.uuid4().hex
+        inputs = [t for t in request.inputs() if t.name() not in (KEY_INPUT, CANCEL_INPUT)]
+        inputs.append(pb_utils.Tensor(KEY_INPUT, np.array([[key.encode()]], dtype=np.object_)))
+        forward = pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs,
+                                            requested_output_names=OUTPUT_NAMES)
+        text, ids, last = [], [], None
+        for response in forward.exec(decoupled=True):
+            if response.has_error():
+                return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=response.error()))
+            outputs = {name: pb_utils.get_output_tensor_by_name(response, name) for name in OUTPUT_NAMES}
+            if outputs["text_output"] is None:  # the empty final-flag response
+                continue
+            text.append(outputs["text_output"].as_numpy().reshape(-1)[0])
+            ids.extend(outputs["output_ids"].as_numpy().reshape(-1).tolist())
+            last = outputs
+            if request.is_cancelled():
+                self._cancel_forward(key)
+                error = pb_utils.TritonError("request cancelled by the client",
+                                             getattr(pb_utils.TritonError, "CANCELLED", None))
+                return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=error))
+        if last is None:
+            error = pb_utils.TritonError("internal error: the engine model returned no response")
+            return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=error))
+        self.ok_requests.increment(1)
+        totals = {field: int(last[field].as_numpy().reshape(-1)[0])
+                  for field in ("draft_tokens", "accepted_tokens", "target_steps")}
+        totals["generated_tokens"] = len(ids)
+        for field, metric in self.counters.items():  # this model's share; the engine model counts all its work
+            if totals[field]:
+                metric.increment(totals[field])
+        merged = [pb_utils.Tensor("text_output", np.array([[b"".join(text)]], dtype=np.object_)),
+                  pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32).reshape(1, -1))]
+        merged += [pb_utils.Tensor(name, last[name].as_numpy()) for name in OUTPUT_NAMES[2:]]
+        return pb_utils.InferenceResponse(output_tensors=merged)
+
+    def _cancel_forward(self, key):
+        cancel = pb_utils.InferenceRequest(
+            model_name=self.engine_model, requested_output_names=[],
+            inputs=[pb_utils.Tensor(CANCEL_INPUT, np.array([[key.encode()]], dtype=np.object_))])
+        for _ in cancel.exec(decoupled=True):
+            pass
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
+
+    def _counter(self, name, description, labels):
+        family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
+        self.families.append(family)
+        return family.Metric(labels=labels)
+
+    def _gauge(self, name, description):
+        family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
+        self.families.append(family)
+        return family.Metric(labels=self.labels)
 
     def _count(self, stats):
         self.ok_requests.increment(1)
@@ -101,6 +178,10 @@ class TritonPythonModel:
             value = getattr(stats, field)
             if value:
                 metric.increment(value)
+
+    def _count_error(self, response):
+        self.failed_requests.increment(1)
+        return response
 
     def _error_response(self, exc):
         self.failed_requests.increment(1)
@@ -113,8 +194,21 @@ class TritonPythonModel:
         return pb_utils.InferenceResponse(output_tensors=[], error=error)
 
 
+def _input(request, name):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
+def _string_input(request, name):
+    value = _input(request, name)
+    if value is None or value.size == 0:
+        return None
+    raw = value.reshape(-1)[0]
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+
+
 def _tensors(text, token_ids, finish_reason, prompt_tokens, stats):
-    """Output tensors for one request: batch dimension 1 on every output (max_batch_size > 0)."""
+    """Output tensors for one response: batch dimension 1 on every output (max_batch_size > 0)."""
 
     def scalar(name, value, dtype):
         return pb_utils.Tensor(name, np.array([[value]], dtype=dtype))
