@@ -51,8 +51,12 @@ class ExecutorBase(TokenizerIO):
         seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
         if len(seeds) != len(prompts):
             raise RequestError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt or one int")
-        requests = [self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, one_seed, max_draft_len,
-                                     stop_token_ids, with_text=False) for prompt, one_seed in zip(prompts, seeds)]
+        return self.run([self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, one_seed, max_draft_len,
+                                          stop_token_ids, with_text=False) for prompt, one_seed in zip(prompts, seeds)])
+
+    def run(self, requests: Sequence[SpecRequest]) -> list[GenerationResult]:
+        """Run requests made by :meth:`new_request` (each with its own parameters, K, seed and stops) as one batch."""
+        requests = list(requests)
         for _ in self._run(requests):
             pass
         return [request.result(self.decode) for request in requests]
