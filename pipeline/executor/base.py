@@ -85,7 +85,7 @@ class ExecutorBase(TokenizerIO):
         eos = frozenset(self.eos_token_ids)
         request = SpecRequest(ids, max_new_tokens, params, plan, make_generator(seed, self.device),
                               seeded=seed is not None, stop_ids=eos | frozenset(int(t) for t in stop_token_ids or ()),
-                              eos_ids=eos, decode=self.decode if with_text else None)
+                              eos_ids=eos, decode=self.decode if with_text else None, seed=seed)
         if max_new_tokens == 0:
             request.finish_reason = "length"
         return request

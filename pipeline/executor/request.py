@@ -79,6 +79,7 @@ class SpecRequest:
     stop_ids: frozenset[int]  # EOS ids plus the request's stop tokens
     eos_ids: frozenset[int]
     decode: object = None  # callable(list[int]) -> str, or None when no text is wanted per step
+    seed: int | None = None  # as given (the generator already holds it; engines that take seeds read it here)
     id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -116,11 +117,12 @@ class SpecRequest:
 
     # ---- one step's outcome --------------------------------------------------------------------------------------
 
-    def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int) -> StreamEvent:
-        """Record one target step that emitted ``new_tokens`` (accepted draft tokens + one target token)."""
-        self.stats.record_step(drafted, accepted)
-        if self.plan.dynamic and drafted > 0:
-            self.k_now = next_draft_len(self.k_now, drafted, accepted, self.plan.k_max)
+    def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int, plain_run: bool = False
+                ) -> StreamEvent:
+        """Record one target step that emitted ``new_tokens`` (accepted draft tokens + one target token).
+
+        ``plain_run``: the tokens come from plain decoding, one target step each (an engine that decoded several
+        tokens in one call); they are emitted as one event."""
         tokens = list(new_tokens)[:self.remaining]
         reason = None
         for i, token in enumerate(tokens):
@@ -128,6 +130,10 @@ class SpecRequest:
                 tokens = tokens[:i + 1]  # the stop token is emitted; nothing after it
                 reason = "eos" if token in self.eos_ids else "stop"
                 break
+        for _ in range(len(tokens) if plain_run else 1):
+            self.stats.record_step(drafted, accepted)
+        if self.plan.dynamic and drafted > 0:
+            self.k_now = next_draft_len(self.k_now, drafted, accepted, self.plan.k_max)
         self.generated.extend(tokens)
         self.stats.generated_tokens = len(self.generated)
         if reason is None and (self.remaining <= 0 or not tokens):
