@@ -129,37 +129,54 @@ class SpeculativeEngine:
         inputs = [request.sequence[self.target.length(row):] + drafts[row] for row, request in enumerate(rows)]
         logits = self.target.forward(inputs)[..., :self.vocab_size]  # [rows, width, V]
         self._record(self.policy.target if self.policy else None, logits.shape[0] * logits.shape[1], self.target)
-        greedy = logits.argmax(-1)  # [rows, width]
+        # Row r's logits at padded position firsts[r] + j predict its draft token j (j = k_r: the bonus token).
+        firsts = [len(inputs[row]) - ks[row] - 1 for row in range(len(rows))]
+        outcome = self._accept_greedy(rows, ks, drafts, firsts, logits)
+        for row, request in enumerate(rows):
+            if not request.params.greedy:
+                k, first = ks[row], firsts[row]
+                outcome[row] = self._accept_sampled(request, drafts[row], draft_probs[row],
+                                                    logits[row, first:first + k + 1])
         events = []
         for row, request in enumerate(rows):
-            k = ks[row]
-            first = len(inputs[row]) - k - 1  # position whose logits predict the first draft token
-            base = len(request.sequence)
-            tokens, accepted = self._accept(request, drafts[row], draft_probs[row],
-                                            logits[row, first:first + k + 1], greedy[row, first:first + k + 1])
+            tokens, accepted = outcome[row]
+            base = len(request.prompt_ids) + len(request.generated)
             # Step 5: drop the KV of rejected draft tokens; the emitted extra token is fed next step.
             self.target.truncate(row, base + accepted)
             if self.draft is not None:
                 self.draft.truncate(row, base + accepted)
             if self.policy is not None:
-                self.policy.observe(k, accepted)
-            events.append((request, request.advance(tokens, k, accepted)))
+                self.policy.observe(ks[row], accepted)
+            events.append((request, request.advance(tokens, ks[row], accepted)))
         return events
 
-    def _accept(self, request: SpecRequest, draft_tokens: list[int], draft_probs: list[torch.Tensor],
-                target_logits: torch.Tensor, target_argmax: torch.Tensor) -> tuple[list[int], int]:
-        """target_logits: [k+1, V]; target_argmax: [k+1]. Returns (tokens to emit, draft tokens accepted)."""
+    def _accept_greedy(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]], firsts: list[int],
+                       logits: torch.Tensor) -> dict[int, tuple[list[int], int]]:
+        """All greedy rows through one accept_matching call; drafts padded with -1, which never matches."""
+        chosen = [row for row, request in enumerate(rows) if request.params.greedy]
+        if not chosen:
+            return {}
+        k = max(ks[row] for row in chosen)
+        width = logits.shape[1]
+        drafted = torch.full((len(chosen), k), -1, dtype=torch.long)  # [g, k]
+        for i, row in enumerate(chosen):
+            drafted[i, :ks[row]] = torch.tensor(drafts[row], dtype=torch.long)
+        positions = (torch.tensor([firsts[row] for row in chosen])[:, None] + torch.arange(k + 1)[None, :])
+        target_tokens = logits[chosen].argmax(-1).cpu().gather(1, positions.clamp_max(width - 1))  # [g, k+1]
+        output, num_accepted = accept_matching(drafted, target_tokens)
+        output, num_accepted = output.tolist(), num_accepted.tolist()
+        return {row: (output[i][:num_accepted[i] + 1], num_accepted[i]) for i, row in enumerate(chosen)}
+
+    def _accept_sampled(self, request: SpecRequest, draft_tokens: list[int], draft_probs: list[torch.Tensor],
+                        target_logits: torch.Tensor) -> tuple[list[int], int]:
+        """target_logits: [k+1, V]. The row's own generator, so its draws never depend on its neighbours."""
         drafted = torch.tensor([draft_tokens], dtype=torch.long, device=target_logits.device)  # [1, k]
-        params = request.params
-        if params.greedy:
-            output, num_accepted = accept_matching(drafted, target_argmax[None])
+        target_probs = logits_to_probs(target_logits, request.params)  # [k+1, V]
+        if self.acceptance == "rejection" and draft_tokens:
+            output, num_accepted = accept_rejection(drafted, torch.cat(draft_probs)[None], target_probs[None],
+                                                    generator=request.generator)
         else:
-            target_probs = logits_to_probs(target_logits, params)  # [k+1, V]
-            if self.acceptance == "rejection" and draft_tokens:
-                output, num_accepted = accept_rejection(drafted, torch.cat(draft_probs)[None], target_probs[None],
-                                                        generator=request.generator)
-            else:
-                output, num_accepted = accept_matching(drafted, sample(target_probs, request.generator)[None])
+            output, num_accepted = accept_matching(drafted, sample(target_probs, request.generator)[None])
         accepted = int(num_accepted[0])
         return output[0, :accepted + 1].tolist(), accepted
 

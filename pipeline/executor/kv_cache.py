@@ -31,11 +31,16 @@ class _SlotLayer:
         rows, heads, _, dim = key_states.shape
         if self.keys is None or self.keys.shape[2] < owner.capacity:
             self._grow(heads, dim, key_states.dtype, key_states.device)
-        index = owner.write_index[:, None, :, None].expand(rows, heads, -1, dim)  # [rows, heads, T, dim]
         lo = owner.first_row
         keys, values = self.keys[lo:lo + rows], self.values[lo:lo + rows]  # views: writes land in the buffers
-        keys.scatter_(2, index, key_states)
-        values.scatter_(2, index, value_states)
+        if owner.write_index is None:  # every row writes the same positions: one slice copy
+            start, end = owner.write_span
+            keys[:, :, start:end] = key_states
+            values[:, :, start:end] = value_states
+        else:
+            index = owner.write_index[:, None, :, None].expand(rows, heads, -1, dim)  # [rows, heads, T, dim]
+            keys.scatter_(2, index, key_states)
+            values.scatter_(2, index, value_states)
         return keys[:, :, :owner.kv_len], values[:, :, :owner.kv_len]
 
     def _grow(self, heads: int, dim: int, dtype, device) -> None:
@@ -64,7 +69,8 @@ class SlotKVCache(Cache):
         self.lengths = [0] * slots  # tokens cached per row (Python ints: no device sync to read them)
         # Set by prepare() for the forward about to run:
         self.first_row = 0  # the forward covers rows [first_row, first_row + rows)
-        self.write_index: Tensor | None = None  # [rows, T] cache position of each new token
+        self.write_index: Tensor | None = None  # [rows, T] cache position of each new token, or None when
+        self.write_span = (0, 0)  # every row writes the same positions [start, end)
         self.kv_len = 0  # key/value positions the forward attends over
 
     # ---- the Hugging Face Cache surface models use -----------------------------------------------------------
@@ -79,11 +85,12 @@ class SlotKVCache(Cache):
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
 
-    def prepare(self, counts: list[int], width: int, device, first_row: int = 0) -> tuple[Tensor, Tensor]:
+    def prepare(self, counts: list[int], width: int, device, dtype, first_row: int = 0) -> tuple[Tensor, Tensor]:
         """Get rows [first_row, first_row + len(counts)) ready to take ``counts[i]`` new tokens each, padded to
         ``width``.
 
-        Returns (position_ids [rows, width], attention mask [rows, width, kv_len] bool, True = may attend).
+        Returns (position_ids [rows, width], additive attention mask [rows, 1, width, kv_len] in ``dtype``: 0 where
+        a token may attend, the dtype's minimum elsewhere; additive works with eager and SDPA attention alike).
         Padding tokens are written past their row's length (harmless: never attended, later overwritten) and get
         the row's last real position, so learned position embeddings never see an out-of-range index.
         """
@@ -91,21 +98,33 @@ class SlotKVCache(Cache):
         lengths = self.lengths[first_row:first_row + rows]
         if any(start + count >= self.max_len for start, count in zip(lengths, counts)):
             raise ValueError(f"KV cache: a row would exceed its {self.max_len - 1} positions")
-        starts = torch.tensor(lengths, dtype=torch.long)  # [rows]
         need = min(max(lengths) + width, self.max_len)
         while self.capacity < need:
             self.capacity = min(self.max_len, self.capacity * 2)
+        self.first_row = first_row
+        self.kv_len = need
+        blocked = torch.finfo(dtype).min
+        if len(set(lengths)) == 1 and all(count == width for count in counts):
+            # The common shapes (one request; a prefill) need no per-row indexing: a few ops instead of a dozen.
+            start = lengths[0]
+            self.write_index, self.write_span = None, (start, start + width)
+            positions = torch.tensor([list(range(start, start + width))] * rows, device=device)
+            mask = torch.zeros((rows, 1, width, need), dtype=dtype, device=device)
+            if width > 1:  # causal among the new tokens; everything cached before them is visible
+                mask[:, :, :, start:] = torch.full((width, need - start), blocked, dtype=dtype,
+                                                   device=device).triu(1)
+            return positions, mask
+        starts = torch.tensor(lengths, dtype=torch.long)  # [rows]
         offsets = torch.arange(width)  # [width]
         # The last position is scratch space: padding past a full row lands there, never on a real token.
-        self.first_row = first_row
         self.write_index = (starts[:, None] + offsets[None, :]).clamp_max(self.max_len - 1).to(device)
-        self.kv_len = need
         last = torch.tensor([max(c - 1, 0) for c in counts])  # [rows]
         positions = starts[:, None] + torch.minimum(offsets[None, :], last[:, None])  # [rows, width]
         keys = torch.arange(need)  # [kv_len]
         # Token i of row r sits at starts[r] + i and sees every cached position up to and including its own.
         allowed = keys[None, None, :] <= (starts[:, None, None] + offsets[None, :, None])  # [rows, width, kv_len]
-        return positions.to(device), allowed.to(device)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, blocked)
+        return positions.to(device), mask[:, None].to(device)
 
     def advance(self, row: int, count: int) -> None:
         self.lengths[row] += count

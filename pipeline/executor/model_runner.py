@@ -54,12 +54,9 @@ class BatchModelRunner:
         width = max(max(counts), 1)
         padded = [tokens + [0] * (width - len(tokens)) for tokens in rows]
         input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [rows, width]
-        positions, allowed = self.cache.prepare(counts, width, self.device, first_row)
-        # An additive float mask works with both eager and SDPA attention (a bool mask only with SDPA).
-        mask = torch.zeros(allowed.shape, dtype=self.dtype, device=self.device)  # [rows, width, kv_len]
-        mask.masked_fill_(~allowed, torch.finfo(self.dtype).min)
+        positions, mask = self.cache.prepare(counts, width, self.device, self.dtype, first_row)
         start = time.perf_counter()
-        logits = self._forward(input_ids, positions, mask[:, None], width if keep is None else keep)
+        logits = self._forward(input_ids, positions, mask, width if keep is None else keep)
         self.last_seconds = time.perf_counter() - start
         for row, count in enumerate(counts):
             self.cache.advance(first_row + row, count)
