@@ -34,16 +34,19 @@ def reference(models):
     return out
 
 
-@pytest.fixture(params=["torch", "trtllm-fake"])
+@pytest.fixture(params=[(backend, method) for backend in ("torch", "trtllm-fake")
+                        for method in ("draft_model", "ngram", "ngram+draft")], ids=lambda p: "-".join(p))
 def executor(request, models):
     target, draft, tok = models
-    if request.param == "torch":
-        return SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, max_input_len=64,
-                                   draft_len_limit=4)
-    return TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), FakeTrtllmEngine(draft), tok,
-                                     EngineLimits(max_input_len=64, max_seq_len=128, max_draft_len=4),
+    backend, method = request.param
+    if backend == "torch":
+        return SpeculativeExecutor(target, None if method == "ngram" else draft, tok, max_draft_len=4,
+                                   max_seq_len=128, max_input_len=64, draft_len_limit=4, method=method)
+    return TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), None if method == "ngram" else FakeTrtllmEngine(draft),
+                                     tok, EngineLimits(max_input_len=64, max_seq_len=128, max_draft_len=4),
                                      max_draft_len=4, acceptance="greedy",
-                                     eos_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else [])
+                                     eos_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else [],
+                                     method=method)
 
 
 @pytest.mark.parametrize("k", [0, 1, 4, "auto", None])
@@ -57,8 +60,9 @@ def test_greedy_equals_target_greedy(executor, reference, k):
         assert sum(s.drafted_at) == s.draft_tokens and sum(s.accepted_at) == s.accepted_tokens
         if k == 0:
             assert s.draft_tokens == 0 and s.target_steps == N
-        else:
-            assert s.draft_tokens > 0
+        assert sum(d for d, _, _ in s.by_proposer.values()) == s.draft_tokens
+    if k != 0:
+        assert sum(r.stats.draft_tokens for r in results) > 0
 
 
 def test_stop_tokens_and_exact_lengths(executor, reference):

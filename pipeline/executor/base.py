@@ -25,6 +25,7 @@ class ExecutorBase(TokenizerIO):
     vocab_size: int | None = None  # ids a prompt may hold (None = unchecked)
     eos_token_ids: list[int] = []
     device = "cpu"  # where request generators live
+    method = "draft_model"  # who proposes: "draft_model" | "ngram" | "ngram+draft"
 
     @property
     def has_draft(self) -> bool:
@@ -85,7 +86,8 @@ class ExecutorBase(TokenizerIO):
         eos = frozenset(self.eos_token_ids)
         request = SpecRequest(ids, max_new_tokens, params, plan, make_generator(seed, self.device),
                               seeded=seed is not None, stop_ids=eos | frozenset(int(t) for t in stop_token_ids or ()),
-                              eos_ids=eos, decode=self.decode if with_text else None, seed=seed)
+                              eos_ids=eos, decode=self.decode if with_text else None, seed=seed,
+                              method=self.method)
         if max_new_tokens == 0:
             request.finish_reason = "length"
         return request

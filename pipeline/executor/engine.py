@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample
+from ..speculative.ngram import one_hot_probs
 from .draft_policy import DraftPolicy
 from .model_runner import BatchModelRunner
+from .proposers import DRAFT, NgramSettings, choose_proposal
 from .request import SpecRequest
 from .results import StreamEvent
 from .scheduler import Scheduler
@@ -25,9 +27,11 @@ from .scheduler import Scheduler
 
 class SpeculativeEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
-                 k_max: int, acceptance: str = "rejection", adaptive_k: bool = False, compile: bool = False):
+                 k_max: int, acceptance: str = "rejection", adaptive_k: bool = False, compile: bool = False,
+                 ngram: NgramSettings | None = None):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``adaptive_k``: cap K per step
-        from measured costs and acceptance (for serving; a result never depends on it, see SpecRequest)."""
+        from measured costs and acceptance (for serving; a result never depends on it, see SpecRequest);
+        ``ngram``: lookup settings for requests whose method uses n-gram proposals."""
         self.device = torch.device(device)
         self.target = BatchModelRunner(target_model, self.device, max_batch, max_tokens, compile)
         self.draft = BatchModelRunner(draft_model, self.device, max_batch, max_tokens, compile) \
@@ -35,6 +39,8 @@ class SpeculativeEngine:
         self.vocab_size = vocab_size  # ids both models have (padded embedding rows are not tokens)
         self.acceptance = acceptance
         self.scheduler = Scheduler(max_batch)
+        self.ngram = ngram or NgramSettings()
+        self._seconds = {"draft": 0.0, "target": 0.0}  # running means of one forward's time (cost ratio c)
         self.policy = DraftPolicy(k_max) if adaptive_k and draft_model is not None and k_max > 0 else None
         if self.policy is not None:
             self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
@@ -70,9 +76,8 @@ class SpeculativeEngine:
         rows = self.scheduler.running
         if not rows:
             return []
-        ks = self._draft_lens(rows)
-        drafts, draft_probs = self._propose(rows, ks)
-        events = self._verify(rows, ks, drafts, draft_probs)
+        drafts, draft_probs, kinds = self._propose(rows, self._draft_lens(rows))
+        events = self._verify(rows, drafts, draft_probs, kinds)
         self._retire()
         return events
 
@@ -82,22 +87,43 @@ class SpeculativeEngine:
         # The last prompt token stays unseen: it is the first input of the request's first step.
         context = request.sequence[:-1]
         self.target.prefill(slot, context)
-        if self.draft is not None and request.plan.k_max > 0:
+        if self.draft is not None and request.plan.k_max > 0 and request.method != "ngram":
             self.draft.prefill(slot, context)
 
+    @property
+    def cost_ratio(self) -> float:
+        """c: one draft forward over one target forward, as measured on this engine (0.25 until both ran)."""
+        draft, target = self._seconds["draft"], self._seconds["target"]
+        return draft / target if draft > 0 and target > 0 else 0.25
+
     def _draft_lens(self, rows: list[SpecRequest]) -> list[int]:
-        if self.draft is None:
-            return [0] * len(rows)
         cap = None
         if self.policy is not None:
             rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
             cap = self.policy.choose(rates, [r.draft_len() for r in rows])
         return [r.draft_len(cap) for r in rows]
 
-    def _propose(self, rows: list[SpecRequest], ks: list[int]) -> tuple[list[list[int]], list[list[torch.Tensor]]]:
-        """Step 2: draft tokens per row ([k_r]) and, for sampled rows, the distributions they came from."""
+    def _propose(self, rows: list[SpecRequest], ks: list[int]
+                 ) -> tuple[list[list[int]], list[list[torch.Tensor]], list[str | None]]:
+        """Step 2: draft tokens per row (up to k_r), for sampled rows the distributions they came from, and which
+        proposer made them. N-gram proposals need no forward; the draft model runs for the rows that chose it."""
         drafts: list[list[int]] = [[] for _ in rows]
         probs: list[list[torch.Tensor]] = [[] for _ in rows]
+        kinds: list[str | None] = [None] * len(rows)
+        model_ks = [0] * len(rows)
+        for row, request in enumerate(rows):
+            kinds[row], lookup = choose_proposal(request, ks[row], self.ngram, self.cost_ratio)
+            if kinds[row] == DRAFT and self.draft is not None:
+                model_ks[row] = ks[row]
+            elif lookup:
+                drafts[row] = lookup
+                if not request.params.greedy:  # a lookup is a deterministic proposal: one-hot distributions
+                    probs[row] = list(one_hot_probs(lookup, self.vocab_size, self.device).split(1))
+        self._propose_with_model(rows, model_ks, drafts, probs)
+        return drafts, probs, kinds
+
+    def _propose_with_model(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]],
+                            probs: list[list[torch.Tensor]]) -> None:
         for position in range(max(ks, default=0)):
             inputs = []
             for row, request in enumerate(rows):
@@ -109,7 +135,7 @@ class SpeculativeEngine:
                     inputs.append([drafts[row][-1]])
             used = max(row for row, tokens in enumerate(inputs) if tokens) + 1
             logits = self.draft.forward(inputs[:used])[..., :self.vocab_size]  # [used, width, V]
-            self._record(self.policy.draft if self.policy else None, used * logits.shape[1], self.draft)
+            self._record("draft", used * logits.shape[1], self.draft)
             greedy = logits.argmax(-1)  # [used, width]
             for row in range(used):
                 if not inputs[row]:
@@ -121,14 +147,14 @@ class SpeculativeEngine:
                     row_probs = logits_to_probs(logits[row, last][None], request.params)  # [1, V]
                     drafts[row].append(int(sample(row_probs, request.generator)))
                     probs[row].append(row_probs)
-        return drafts, probs
 
-    def _verify(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]],
-                draft_probs: list[list[torch.Tensor]]) -> list[tuple[SpecRequest, StreamEvent]]:
+    def _verify(self, rows: list[SpecRequest], drafts: list[list[int]], draft_probs: list[list[torch.Tensor]],
+                kinds: list[str | None]) -> list[tuple[SpecRequest, StreamEvent]]:
         """Steps 3-5: one target forward for all rows, then accept and roll back per row."""
+        ks = [len(tokens) for tokens in drafts]
         inputs = [request.sequence[self.target.length(row):] + drafts[row] for row, request in enumerate(rows)]
         logits = self.target.forward(inputs)[..., :self.vocab_size]  # [rows, width, V]
-        self._record(self.policy.target if self.policy else None, logits.shape[0] * logits.shape[1], self.target)
+        self._record("target", logits.shape[0] * logits.shape[1], self.target)
         # Row r's logits at padded position firsts[r] + j predict its draft token j (j = k_r: the bonus token).
         firsts = [len(inputs[row]) - ks[row] - 1 for row in range(len(rows))]
         outcome = self._accept_greedy(rows, ks, drafts, firsts, logits)
@@ -147,7 +173,7 @@ class SpeculativeEngine:
                 self.draft.truncate(row, base + accepted)
             if self.policy is not None:
                 self.policy.observe(ks[row], accepted)
-            events.append((request, request.advance(tokens, ks[row], accepted)))
+            events.append((request, request.advance(tokens, ks[row], accepted, proposer=kinds[row])))
         return events
 
     def _accept_greedy(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]], firsts: list[int],
@@ -180,9 +206,12 @@ class SpeculativeEngine:
         accepted = int(num_accepted[0])
         return output[0, :accepted + 1].tolist(), accepted
 
-    def _record(self, cost, tokens: int, runner: BatchModelRunner) -> None:
-        if cost is not None:
-            cost.record(tokens, runner.last_seconds)
+    def _record(self, role: str, tokens: int, runner: BatchModelRunner) -> None:
+        seconds = runner.last_seconds
+        mean = self._seconds[role]
+        self._seconds[role] = seconds if mean == 0 else 0.9 * mean + 0.1 * seconds
+        if self.policy is not None:
+            getattr(self.policy, role).record(tokens, seconds)
 
     def _retire(self) -> None:
         moves, freed = self.scheduler.retire()

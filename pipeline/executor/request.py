@@ -80,6 +80,7 @@ class SpecRequest:
     eos_ids: frozenset[int]
     decode: object = None  # callable(list[int]) -> str, or None when no text is wanted per step
     seed: int | None = None  # as given (the generator already holds it; engines that take seeds read it here)
+    method: str = "draft_model"  # who proposes: "draft_model" | "ngram" | "ngram+draft" (chosen per step)
     id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
     stats: GenerationStats = field(default_factory=GenerationStats)
@@ -115,10 +116,15 @@ class SpecRequest:
             k = min(k, cap)
         return max(0, min(k, self.remaining - 1))
 
+    def proposer_rate(self, proposer: str, prior: float, weight: float = 4.0) -> float:
+        """This request's acceptance rate for one proposer so far, shrunk towards ``prior`` while history is short."""
+        drafted, accepted, _ = self.stats.by_proposer.get(proposer, (0, 0, 0))
+        return min((accepted + prior * weight) / (drafted + weight), 0.999)
+
     # ---- one step's outcome --------------------------------------------------------------------------------------
 
-    def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int, plain_run: bool = False
-                ) -> StreamEvent:
+    def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int, plain_run: bool = False,
+                proposer: str | None = None) -> StreamEvent:
         """Record one target step that emitted ``new_tokens`` (accepted draft tokens + one target token).
 
         ``plain_run``: the tokens come from plain decoding, one target step each (an engine that decoded several
@@ -131,7 +137,7 @@ class SpecRequest:
                 reason = "eos" if token in self.eos_ids else "stop"
                 break
         for _ in range(len(tokens) if plain_run else 1):
-            self.stats.record_step(drafted, accepted)
+            self.stats.record_step(drafted, accepted, proposer)
         if self.plan.dynamic and drafted > 0:
             self.k_now = next_draft_len(self.k_now, drafted, accepted, self.plan.k_max)
         self.generated.extend(tokens)

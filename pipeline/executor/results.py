@@ -42,6 +42,8 @@ class GenerationStats(_ItemAccess):
     generated_tokens: int = 0  # tokens emitted (after EOS/length truncation)
     drafted_at: list[int] = field(default_factory=list)  # [K] proposals per draft position
     accepted_at: list[int] = field(default_factory=list)  # [K] acceptances per draft position
+    # proposer ("draft_model" | "ngram") -> [tokens proposed, tokens accepted, steps it proposed in]
+    by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def acceptance_rate(self) -> float:
@@ -57,7 +59,12 @@ class GenerationStats(_ItemAccess):
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at)]
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, proposer: str | None = None) -> None:
+        if proposer is not None and drafted > 0:
+            counts = self.by_proposer.setdefault(proposer, [0, 0, 0])
+            counts[0] += drafted
+            counts[1] += accepted
+            counts[2] += 1
         grow = drafted - len(self.drafted_at)
         if grow > 0:
             self.drafted_at.extend([0] * grow)
@@ -78,6 +85,10 @@ class GenerationStats(_ItemAccess):
         pad = lambda xs: xs + [0] * (width - len(xs))  # noqa: E731
         total.drafted_at = [a + b for a, b in zip(pad(self.drafted_at), pad(other.drafted_at))]
         total.accepted_at = [a + b for a, b in zip(pad(self.accepted_at), pad(other.accepted_at))]
+        for stats in (self, other):
+            for name, counts in stats.by_proposer.items():
+                mine = total.by_proposer.setdefault(name, [0, 0, 0])
+                total.by_proposer[name] = [a + b for a, b in zip(mine, counts)]
         return total
 
     def to_dict(self) -> dict:
@@ -88,9 +99,12 @@ class GenerationStats(_ItemAccess):
 
     def summary(self) -> str:
         by_pos = " ".join(f"{r:.2f}" for r in self.acceptance_by_position)
+        proposers = "".join(f", {name} {a}/{d} accepted in {n} steps"
+                            for name, (d, a, n) in sorted(self.by_proposer.items()) if len(self.by_proposer) > 1)
         return (f"drafted {self.draft_tokens}, accepted {self.accepted_tokens} "
                 f"(acceptance {self.acceptance_rate:.2f}), {self.target_steps} target steps, "
-                f"{self.mean_accepted_len:.2f} tokens/step" + (f", by position [{by_pos}]" if by_pos else ""))
+                f"{self.mean_accepted_len:.2f} tokens/step" + (f", by position [{by_pos}]" if by_pos else "")
+                + proposers)
 
 
 @dataclass

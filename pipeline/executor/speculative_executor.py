@@ -16,6 +16,7 @@ from ..errors import EngineError
 from .base import ExecutorBase
 from .engine import SpeculativeEngine
 from .loading import load_engine_model, read_engine_info
+from .proposers import NgramSettings, check_method
 from .request import SpecRequest
 from .results import RequestError, StreamEvent
 
@@ -27,12 +28,19 @@ class SpeculativeExecutor(ExecutorBase):
     def __init__(self, target_model, draft_model, tokenizer, max_draft_len: int = 4, device: str = "cpu",
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
                  draft_len_limit: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
-                 adaptive_draft_len: bool = False, compile: bool = False):
+                 adaptive_draft_len: bool = False, compile: bool = False, method: str = "draft_model",
+                 ngram: NgramSettings | None = None):
         """``max_batch_size``: requests that run at once (the rest wait); ``adaptive_draft_len``: let the engine
         lower K per step when the batch makes drafting unprofitable (serving; results never depend on it);
-        ``compile``: torch.compile the forwards (first calls are slow)."""
+        ``compile``: torch.compile the forwards (first calls are slow); ``method``: who proposes draft tokens,
+        "draft_model", "ngram" (lookup in the prompt and generated text; ``draft_model`` may be None) or
+        "ngram+draft" (per step, whichever promises more tokens per unit of cost)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
+        check_method(method, draft_model is not None)
+        self.method = method
+        if method == "ngram":
+            draft_model = None  # never run: lookups need no model
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.max_draft_len = max_draft_len
@@ -51,11 +59,12 @@ class SpeculativeExecutor(ExecutorBase):
             target_model, draft_model, device=self.device, max_batch=max_batch_size,
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             k_max=max(max_draft_len, draft_len_limit or 0), acceptance=acceptance,
-            adaptive_k=adaptive_draft_len, compile=compile)
+            adaptive_k=adaptive_draft_len, compile=compile, ngram=ngram)
 
     @property
     def has_draft(self) -> bool:
-        return self.engine.draft is not None
+        """Something can propose draft tokens (a draft model, or n-gram lookup)."""
+        return self.engine.draft is not None or self.method == "ngram"
 
     @property
     def target(self):
@@ -71,25 +80,27 @@ class SpeculativeExecutor(ExecutorBase):
     def from_pretrained(cls, target, draft, max_draft_len: int = 4, device: str = "cpu", dtype: str = "float32",
                         acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None,
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
-                        compile: bool = False) -> SpeculativeExecutor:
-        """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend."""
+                        compile: bool = False, method: str = "draft_model",
+                        ngram: NgramSettings | None = None) -> SpeculativeExecutor:
+        """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
+        ``draft`` may be None with ``method="ngram"``."""
         from ..checks import compare_tokenizers, max_positions
 
         target_model, target_tok = _load(target, "target", dtype, trust_remote_code)
-        draft_model, draft_tok = _load(draft, "draft", dtype, trust_remote_code)
+        draft_model, draft_tok = _load(draft, "draft", dtype, trust_remote_code) if draft is not None else (None, None)
         tokenizer = tokenizer or target_tok or draft_tok
         if target_tok is not None and draft_tok is not None:
             problems = compare_tokenizers(target_tok, draft_tok)
             if problems:
                 raise RequestError("draft: tokenizer differs from target (" + "; ".join(problems) +
                                    "); pick a draft from the same model family")
-        limits = [max_positions(m.config.to_dict()) for m in (target_model, draft_model)]
+        limits = [max_positions(m.config.to_dict()) for m in (target_model, draft_model) if m is not None]
         limits = [x for x in limits if x]
         if max_seq_len is None and limits:
             max_seq_len = min(limits)
-        return cls(target_model.to(device), draft_model.to(device), tokenizer, max_draft_len=max_draft_len,
-                   device=device, acceptance=acceptance, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
-                   compile=compile)
+        return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
+                   max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
+                   max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,

@@ -20,7 +20,10 @@ from typing import Any, Protocol
 
 import torch
 
+import time
+
 from .base import ExecutorBase
+from .proposers import DRAFT, NGRAM, NgramSettings, check_method, choose_proposal
 from .request import SpecRequest
 from .results import StreamEvent, checked_sampling
 
@@ -83,9 +86,16 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
     """generate()/generate_stream()/run() of ExecutorBase over two TensorRT-LLM engines."""
 
     def __init__(self, target: EngineRunner, draft: EngineRunner | None, tokenizer, limits: EngineLimits,
-                 max_draft_len: int, acceptance: str = "rejection", eos_token_ids: Sequence[int] = ()):
+                 max_draft_len: int, acceptance: str = "rejection", eos_token_ids: Sequence[int] = (),
+                 method: str = "draft_model", ngram: NgramSettings | None = None):
+        """``method``: "draft_model", "ngram" (lookups fed to the target as external draft tokens, as TensorRT-LLM's
+        examples/ngram does; ``draft`` may be None) or "ngram+draft" (per step, the better of the two)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
+        check_method(method, draft is not None)
+        self.method = method
+        self.ngram = ngram or NgramSettings()
+        self._seconds = {"draft": 0.0, "target": 0.0}  # mean seconds per draft token / per verify call
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.limits = limits
         self.max_draft_len = max_draft_len
@@ -97,7 +107,20 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
 
     @property
     def has_draft(self) -> bool:
-        return self.draft is not None
+        return self.draft is not None or self.method == NGRAM
+
+    @property
+    def cost_ratio(self) -> float:
+        draft, target = self._seconds["draft"], self._seconds["target"]
+        return draft / target if draft > 0 and target > 0 else 0.25
+
+    def _timed(self, role: str, per: int, call):
+        start = time.perf_counter()
+        out = call()
+        seconds = (time.perf_counter() - start) / max(per, 1)
+        mean = self._seconds[role]
+        self._seconds[role] = seconds if mean == 0 else 0.9 * mean + 0.1 * seconds
+        return out
 
     @classmethod
     def from_engines(cls, root, target_device_ids: list[int] | None = None,
@@ -119,37 +142,41 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
             seed = request.seed if request.seed is not None else int(
                 torch.randint(0, 2 ** 62, (1,), generator=request.generator))
             while not request.finished:
-                k = request.draft_len() if self.draft is not None else 0
+                k = request.draft_len() if self.has_draft else 0
                 step = request.stats.target_steps
                 if k == 0 and request.plan.k_max == 0:
                     yield request, self._target_only(request, seed)
                     continue
-                tokens, drafted, accepted = self._step(request, k, seed, step)
-                yield request, request.advance(tokens, drafted, accepted)
+                tokens, drafted, accepted, proposer = self._step(request, k, seed, step)
+                yield request, request.advance(tokens, drafted, accepted, proposer=proposer)
 
     def _sampling(self, request: SpecRequest, seed: int, step: int, role: int) -> Sampling:
         p = request.params
         return Sampling(p.temperature, p.top_k, p.top_p, step_seed(seed, step, role))
 
-    def _step(self, request: SpecRequest, k: int, seed: int, step: int) -> tuple[list[int], int, int]:
-        """One draft-and-verify step; returns (tokens to append, draft tokens proposed, draft tokens accepted)."""
+    def _step(self, request: SpecRequest, k: int, seed: int, step: int) -> tuple[list[int], int, int, str | None]:
+        """One draft-and-verify step; returns (tokens to append, draft tokens proposed, draft tokens accepted,
+        the proposer)."""
         seq = request.sequence
         use_logits = self.acceptance == "rejection" and request.params.temperature > 0
-        draft_tokens: list[int] = []
+        proposer, draft_tokens = choose_proposal(request, k, self.ngram, self.cost_ratio)
         draft_logits = None
-        if k > 0:
+        if proposer == DRAFT:
             # Step 1: the draft proposes k tokens (it may stop early on EOS).
-            out = self.draft.generate(seq, k, self._sampling(request, seed, step, 0), want_logits=use_logits)
+            out = self._timed("draft", k, lambda: self.draft.generate(
+                seq, k, self._sampling(request, seed, step, 0), want_logits=use_logits))
             draft_tokens = out.token_ids[:k]
             if use_logits and draft_tokens:
                 draft_logits = self._fit_logits(out.logits[:len(draft_tokens)])
+        # (A lookup has no logits: the target then verifies it by token comparison, which is lossless too.)
         # Step 2: the target verifies all draft tokens in one pass and adds one token of its own.
-        verified = self.target.generate(seq, len(draft_tokens) + 1, self._sampling(request, seed, step, 1),
-                                        draft_tokens=draft_tokens or None, draft_logits=draft_logits)
+        verified = self._timed("target", 1, lambda: self.target.generate(
+            seq, len(draft_tokens) + 1, self._sampling(request, seed, step, 1),
+            draft_tokens=draft_tokens or None, draft_logits=draft_logits))
         new_tokens = verified.token_ids[:len(draft_tokens) + 1]
         # A recovered token never equals the rejected draft token, so the matching prefix is the accepted count.
         accepted = min(common_prefix(new_tokens, draft_tokens), len(draft_tokens))
-        return new_tokens, len(draft_tokens), accepted
+        return new_tokens, len(draft_tokens), accepted, proposer if draft_tokens else None
 
     def _target_only(self, request: SpecRequest, seed: int) -> StreamEvent:
         """K = 0 for the whole request: one engine call generates everything (the engine decodes in-flight)."""
