@@ -55,15 +55,16 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 def _time_forward(runner, context_len: int, tokens: list[int]) -> float:
     start = time.perf_counter()
-    runner.forward(tokens, keep_last=len(tokens))
+    runner.forward([tokens])
     elapsed = time.perf_counter() - start
-    runner.rollback(context_len)
+    runner.truncate(0, context_len)
     return elapsed
 
 
 def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: int = 15, warmup: int = 3
                   ) -> CostTerms:
-    """Time single-token forwards of ``target`` and ``draft`` (CausalLMRunner) and K+1-token target forwards.
+    """Time single-token forwards of ``target`` and ``draft`` (the engine's BatchModelRunners, slot 0, so the
+    engine must be idle) and K+1-token target forwards.
 
     ``context`` fills both caches first (a real prompt, so attention spans a realistic length). The appended
     tokens are the context's own first tokens: their values do not change the cost.
@@ -74,8 +75,8 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
     if len(context) < k_max + 1:
         raise ValueError(f"context: {len(context)} tokens; need at least k_max + 1 = {k_max + 1} to append")
     for runner in (target, draft):
-        runner.reset()
-        runner.forward(context, keep_last=1)
+        runner.clear(0)
+        runner.prefill(0, context)
     single = {"target": [], "draft": []}
     verify: list[list[float]] = [[] for _ in range(k_max)]
     for rep in range(warmup + repeats):
@@ -89,7 +90,7 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
         for k, value in enumerate(widths):
             verify[k].append(value)
     for runner in (target, draft):
-        runner.reset()
+        runner.clear(0)
     ms = lambda xs: statistics.median(xs) * 1000.0  # noqa: E731
     return CostTerms(target_ms=ms(single["target"]), draft_ms=ms(single["draft"]),
                      verify_ms=[ms(v) for v in verify], context_tokens=len(context), repeats=repeats)
