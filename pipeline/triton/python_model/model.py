@@ -48,6 +48,7 @@ class TritonPythonModel:
         self.failed_requests = self._counter("spec_requests_total", "Requests by outcome",
                                              {**self.labels, "outcome": "error"})
         self.ok_requests = self.families[-1].Metric(labels={**self.labels, "outcome": "ok"})
+        self.cancelled_requests = self.families[-1].Metric(labels={**self.labels, "outcome": "cancelled"})
         self.logger = pb_utils.Logger
         self.counters = {field: self._counter(name, description, self.labels)
                          for name, description, field in COUNTERS}
@@ -102,7 +103,9 @@ class TritonPythonModel:
             if isinstance(event, BaseException):
                 sender.send(self._error_response(event), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
                 return
-            if event.finished:
+            if event.finish_reason == "cancelled":  # the client went away: count it, answer if it still listens
+                self.cancelled_requests.increment(1)
+            elif event.finished:
                 self._count(event.stats)
             response = pb_utils.InferenceResponse(output_tensors=_tensors(
                 event.text, event.token_ids, event.finish_reason or "", prompt_tokens, event.stats))
@@ -135,9 +138,10 @@ class TritonPythonModel:
             last = outputs
             if request.is_cancelled():
                 self._cancel_forward(key)
+                self.cancelled_requests.increment(1)
                 error = pb_utils.TritonError("request cancelled by the client",
                                              getattr(pb_utils.TritonError, "CANCELLED", None))
-                return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=error))
+                return pb_utils.InferenceResponse(output_tensors=[], error=error)
         if last is None:
             error = pb_utils.TritonError("internal error: the engine model returned no response")
             return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=error))
