@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .config import MAX_DRAFT_LEN_LIMIT, PipelineConfig
+from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
 from .errors import CompatibilityError
 from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights
 
-# Architectures TensorRT-LLM 1.2's checkpoint converters handle for the draft-target path: the decoder-only
+# Architectures TensorRT-LLM 1.1's checkpoint converters handle for the draft-target path: the decoder-only
 # causal-LM keys of tensorrt_llm/models/__init__.py MODEL_MAP (encoders, vision and Medusa/EAGLE/ReDrafter heads
-# left out); tests/data/trtllm_1.2.1_api.json records the map. The torch backend accepts any causal LM.
+# left out); tests/data/trtllm_1.1.0_api.json records the map. The torch backend accepts any causal LM.
 TRTLLM_ARCHITECTURES = {
     "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "InternLM2ForCausalLM", "GraniteForCausalLM",
     "ExaoneForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "GemmaForCausalLM",
@@ -28,6 +28,8 @@ class CheckReport:
     ok: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    defaults: list[str] = field(default_factory=list)  # build limits the config left out, as derived
+    build: BuildSpec | None = None  # config.build with those limits filled in (apply with with_build)
 
     def raise_if_failed(self) -> None:
         if self.errors:
@@ -40,6 +42,45 @@ def max_positions(hf_config: dict) -> int | None:
         if isinstance(text.get(key), int):
             return text[key]
     return None
+
+
+def resolve_build_limits(build: BuildSpec, model_limits: dict[str, int | None]) -> tuple[BuildSpec, list[str]]:
+    """``build`` with the limits it leaves out derived from the models, and one line per derived value.
+
+    max_seq_len: the smallest position limit of the models (what trtllm-build derives when it is not given),
+    at most DEFAULT_MAX_SEQ_LEN_CAP; max_input_len: half of max_seq_len, so prompts and completions get equal
+    room and any K fits in the rest. Values the config sets are kept as written (check_pair checks them).
+    """
+    notes = []
+    seq_len = build.max_seq_len
+    if seq_len is None:
+        known = {role: limit for role, limit in model_limits.items() if limit}
+        seq_len = min([*known.values(), DEFAULT_MAX_SEQ_LEN_CAP])
+        stated = ", ".join(f"{role} {limit}" for role, limit in known.items()) or "neither model states one"
+        notes.append(f"build.max_seq_len: {seq_len} (not set: the models' position limit ({stated}), at most "
+                     f"{DEFAULT_MAX_SEQ_LEN_CAP})")
+    input_len = build.max_input_len
+    if input_len is None:
+        input_len = max(1, seq_len // 2)
+        notes.append(f"build.max_input_len: {input_len} (not set: half of max_seq_len)")
+    return build.model_copy(update={"max_seq_len": seq_len, "max_input_len": input_len}), notes
+
+
+def with_build(config: PipelineConfig, build: BuildSpec) -> PipelineConfig:
+    """A copy of ``config`` with ``build`` (the private base_dir comes along)."""
+    return config.model_copy(update={"build": build})
+
+
+def with_build_limits(config: PipelineConfig) -> PipelineConfig:
+    """``config`` with concrete build limits, what every stage and manifest uses: as written when the config
+    sets both, else derived from the models' config files (see resolve_build_limits)."""
+    if config.build.max_seq_len is not None and config.build.max_input_len is not None:
+        return config
+    limits = {}
+    for role in ("target", "draft"):
+        model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=False)
+        limits[role] = max_positions(read_hf_config(model))
+    return with_build(config, resolve_build_limits(config.build, limits)[0])
 
 
 def architecture(hf_config: dict) -> str:
@@ -117,14 +158,20 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
         report.warnings.append(f"embedding rows differ (target {t_vocab}, draft {d_vocab}) although the tokenizers "
                                f"match; only the shared ids are compared")
 
-    build = config.build
-    for role in ("target", "draft"):
-        limit = max_positions(hf_configs[role])
+    limits = {role: max_positions(hf_configs[role]) for role in ("target", "draft")}
+    build, report.defaults = resolve_build_limits(config.build, limits)
+    report.build = build
+    for role, limit in limits.items():
+        # A derived max_seq_len never exceeds a limit: only a value the config sets can get here.
         if limit is not None and build.max_seq_len > limit:
             report.errors.append(f"build.max_seq_len: {build.max_seq_len} exceeds {role} "
                                  f"max_position_embeddings ({limit}); set build.max_seq_len <= {limit}")
     k = config.speculative.max_draft_len
-    if k + 1 > build.max_seq_len - build.max_input_len:
+    if build.max_input_len >= build.max_seq_len:  # one of the two derived (the config validates a set pair)
+        report.errors.append(f"build.max_input_len: {build.max_input_len} must be below build.max_seq_len "
+                             f"({build.max_seq_len}, derived from the models); lower it or set "
+                             f"build.max_seq_len")
+    elif k + 1 > build.max_seq_len - build.max_input_len:
         report.errors.append(f"speculative.max_draft_len: {k} leaves no room for generation (max_seq_len "
                              f"{build.max_seq_len} - max_input_len {build.max_input_len}); lower K or raise "
                              f"build.max_seq_len")

@@ -86,15 +86,6 @@ def cmd_build(args) -> int:
     return 0
 
 
-def _lazy(module: str, func: str):
-    def handler(args) -> int:
-        import importlib
-
-        return getattr(importlib.import_module(module, __package__), func)(args)
-
-    return handler
-
-
 # ---- parser -------------------------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:

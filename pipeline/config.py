@@ -20,6 +20,11 @@ from .errors import ConfigError
 # draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
 MAX_DRAFT_LEN_LIMIT = 16
 
+# Without build.max_seq_len the engines are sized for the models' own position limit, as trtllm-build does, but
+# never beyond this: KV-cache and engine buffers grow with it, and a 128k-position model (Llama 3.1) would
+# otherwise reserve them for 128k-token sequences on every build. 8192 covers typical prompts plus completions.
+DEFAULT_MAX_SEQ_LEN_CAP = 8192
+
 Dtype = Literal["float32", "float16", "bfloat16"]
 
 
@@ -95,15 +100,23 @@ class QuantizationSpec(_Section):
 
 class BuildSpec(_Section):
     max_batch_size: int = Field(8, ge=1)
-    max_input_len: int = Field(1024, ge=1, description="Longest prompt in tokens.")
-    max_seq_len: int = Field(2048, ge=2, description="Prompt plus generated tokens.")
+    max_input_len: int | None = Field(
+        None, ge=1, description="Longest prompt in tokens. Default: half of max_seq_len (prompts and completions "
+                                "get equal room); `check` prints the value chosen.")
+    max_seq_len: int | None = Field(
+        None, ge=2, description="Prompt plus generated tokens. Default: the smaller of the two models' "
+                                "max_position_embeddings, at most "
+                                f"{DEFAULT_MAX_SEQ_LEN_CAP} (KV cache and engine buffers grow with it); `check` "
+                                "prints the value chosen. A value you set is checked against both models.")
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
 
     @model_validator(mode="after")
     def _input_fits(self) -> BuildSpec:
-        if self.max_input_len >= self.max_seq_len:
+        # A limit left out is derived from the models by `check` (checks.resolve_build_limits), which checks it.
+        if self.max_input_len is not None and self.max_seq_len is not None and \
+                self.max_input_len >= self.max_seq_len:
             raise ValueError(
                 f"build.max_input_len: {self.max_input_len} must be below build.max_seq_len "
                 f"({self.max_seq_len}); raise max_seq_len or lower max_input_len")

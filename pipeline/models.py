@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sys
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -180,7 +179,3 @@ def load_causal_lm(model: ResolvedModel, dtype: str, device: str = "cpu", progre
         raise ModelError(f"{model.field}: loading weights from {model.path} failed ({type(exc).__name__}: "
                          f"{text}); the files may be corrupt or incomplete: re-download or re-save them") from None
     return lm.to(device).eval()
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

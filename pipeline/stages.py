@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage
 from .backends import get_backend
-from .checks import CheckReport, check_pair
+from .checks import CheckReport, check_pair, with_build, with_build_limits
 from .config import PipelineConfig
 from .errors import EngineError
 from .models import resolve_model, weight_files
@@ -38,6 +38,8 @@ def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport
     report = check_pair(config, with_weights=with_weights)
     for line in report.ok:
         print(f"  ok       {line}")
+    for line in report.defaults:
+        print(f"  default  {line}")
     for line in report.warnings:
         print(f"  warning  {line}", file=sys.stderr)
     report.raise_if_failed()
@@ -72,6 +74,7 @@ def _completed(layout: Layout, role: str, stage: str) -> dict:
 
 def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
                dry_run: bool = False) -> StageResult | list[str]:
+    config = with_build_limits(config)  # the argv and engine.json need numbers (a no-op when resolved)
     backend = get_backend(config.backend)
     checkpoint_dir = layout.stage_dir(role, "convert")
     out_dir = layout.stage_dir(role, "build")
@@ -86,6 +89,7 @@ def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = 
 def verify_engines(config: PipelineConfig, engines_dir: Path) -> Layout:
     """Refuse engines that are missing, incomplete, or were built from a config other than this one."""
     layout = Layout.for_config(config, engines_dir)
+    config = with_build_limits(config)  # the build manifests hold the limits the engines were built with
     for role in ROLES:
         folder = layout.stage_dir(role, "build")
         manifest = _completed(layout, role, "build")
@@ -115,7 +119,9 @@ def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...
     """
     if "convert" in stages:
         print(f"check {config.name} ({config.backend} backend)")
-        run_check(config, with_weights=True)
+        config = with_build(config, run_check(config, with_weights=True).build)
+    else:
+        config = with_build_limits(config)
     layout = Layout.for_config(config, engines_dir)
     results: list[StageResult] = []
     with build_lock(layout.root):

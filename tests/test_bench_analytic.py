@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.analytic import (alpha_from_steps, best_k, best_k_from_survival, expected_tokens_from_survival,
-                                     expected_tokens_per_step, speedup_bound, step_cost)
+from pipeline.bench.analytic import (alpha_from_steps, best_k_from_survival, expected_tokens_from_survival,
+                                     expected_tokens_per_step, speedup_bound, speedups_from_survival, step_cost)
 from pipeline.bench.timing import CostTerms, percentile
 
 
@@ -26,16 +26,19 @@ def test_speedup_bound_matches_leviathan_and_the_refined_form():
 
 
 def test_best_k_exact():
-    # alpha 0.8, c 0.1: bounds 1.636 2.033 2.271 2.401 2.460 2.470 2.448 ... -> K = 6
-    k, value = best_k(0.8, 0.1, 8)
+    # i.i.d. acceptance 0.8 (survival 0.8^i) reproduces Leviathan's bound: with c 0.1 the bounds are
+    # 1.636 2.033 2.271 2.401 2.460 2.470 2.448 ... -> K = 6
+    survival = [0.8 ** i for i in range(1, 9)]
+    assert speedups_from_survival(survival, 0.1) == pytest.approx([speedup_bound(0.8, k, 0.1) for k in range(1, 9)])
+    k, value = best_k_from_survival(survival, 0.1)
     assert k == 6
     assert value == pytest.approx((1 - 0.8 ** 7) / 0.2 / 1.6)
     # a costly verify of wide forwards pulls K down: verify cost 1 + 0.3 K
-    k, value = best_k(0.8, 0.1, 8, verify_costs=[1 + 0.3 * k for k in range(1, 9)])
+    k, value = best_k_from_survival(survival, 0.1, verify_costs=[1 + 0.3 * k for k in range(1, 9)])
     assert k == 2
     assert value == pytest.approx(2.44 / (0.2 + 1.6))
     # a useless draft: K = 1 loses least, and the bound says it loses
-    k, value = best_k(0.0, 0.5, 4)
+    k, value = best_k_from_survival([0.0] * 4, 0.5)
     assert (k, value) == (1, pytest.approx(1 / 1.5))
 
 
@@ -60,8 +63,10 @@ def test_alpha_from_steps_is_the_geometric_mle():
 def test_invalid_terms_name_the_value():
     with pytest.raises(ValueError, match="alpha: 1.5"):
         expected_tokens_per_step(1.5, 2)
-    with pytest.raises(ValueError, match="k_max: 0"):
-        best_k(0.5, 0.1, 0)
+    with pytest.raises(ValueError, match="survival: no measured positions"):
+        best_k_from_survival([], 0.1)
+    with pytest.raises(ValueError, match="verify_costs: 2 values for 3 positions"):
+        speedups_from_survival([0.5, 0.2, 0.1], 0.1, [1.0, 1.1])
     with pytest.raises(ValueError, match="c: -1"):
         step_cost(1, -1.0)
 

@@ -1,11 +1,13 @@
 """Typed config: every shipped YAML loads; bad configs fail with the field, the value and the fix."""
 
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from pipeline.config import MAX_DRAFT_LEN_LIMIT, json_schema, load_config, parse_config
+from pipeline.checks import resolve_build_limits
+from pipeline.config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, json_schema, load_config, parse_config
 from pipeline.errors import ConfigError
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
@@ -20,7 +22,7 @@ def minimal(**overrides):
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
     config = load_config(path)
-    assert config.name == path.stem or config.name  # named
+    assert config.name == path.stem  # engines/<name>/ is found from the file name
     assert config.serve.bind_address == "127.0.0.1"  # safe default kept in every shipped config
     assert config.speculative.max_draft_len >= 1
     assert config.target.trust_remote_code is False and config.draft.trust_remote_code is False
@@ -110,3 +112,111 @@ def test_json_schema_lists_sections():
     schema = json_schema()
     assert {"name", "backend", "target", "draft", "speculative", "build", "serve"} <= set(schema["properties"])
     assert schema["additionalProperties"] is False
+
+
+# ---- build limits the config leaves out come from the models -------------------------------------------------------
+
+def test_schema_documents_the_derived_build_limits():
+    build = json_schema()["$defs"]["BuildSpec"]["properties"]
+    for key in ("max_seq_len", "max_input_len"):
+        assert build[key]["default"] is None  # optional: no fixed number that could exceed a model's limit
+    assert "max_position_embeddings" in build["max_seq_len"]["description"]
+    assert str(DEFAULT_MAX_SEQ_LEN_CAP) in build["max_seq_len"]["description"]
+    assert "half of max_seq_len" in build["max_input_len"]["description"]
+
+
+@pytest.mark.parametrize("build, limits, expected", [
+    ({}, {"target": 512, "draft": 1024}, (512, 256)),  # the smaller model's limit
+    ({}, {"target": 131072, "draft": 131072}, (DEFAULT_MAX_SEQ_LEN_CAP, DEFAULT_MAX_SEQ_LEN_CAP // 2)),  # capped
+    ({}, {"target": None, "draft": None}, (DEFAULT_MAX_SEQ_LEN_CAP, DEFAULT_MAX_SEQ_LEN_CAP // 2)),  # unknown
+    ({"max_seq_len": 300}, {"target": 512, "draft": 512}, (300, 150)),  # set: kept, input derived from it
+    ({"max_input_len": 100}, {"target": 512, "draft": 2048}, (512, 100)),
+    ({"max_input_len": 100, "max_seq_len": 4096}, {"target": 512, "draft": 512}, (4096, 100)),  # kept as written
+])
+def test_build_limits_left_out_are_derived_from_the_models(build, limits, expected):
+    config = parse_config(minimal(build=build))
+    resolved, notes = resolve_build_limits(config.build, limits)
+    assert (resolved.max_seq_len, resolved.max_input_len) == expected
+    # every derived value is announced with where it came from; values the config sets are not
+    assert len(notes) == 2 - len({"max_seq_len", "max_input_len"} & set(build))
+    assert all(("not set" in line) for line in notes)
+    assert ("max_seq_len" not in build) == any(line.startswith(f"build.max_seq_len: {expected[0]} ") for line in notes)
+
+
+def _tiny_model(folder: Path, max_positions: int, tokenizer) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair_512(tmp_path_factory) -> Path:
+    """An untrained target/draft pair whose models allow 512 positions (GPT-2 allows 1024, many small ones 512)."""
+    from pipeline.tinymodels import train_tokenizer
+
+    root = tmp_path_factory.mktemp("pair_512")
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
+    _tiny_model(root / "target", 512, tokenizer)
+    _tiny_model(root / "draft", 512, tokenizer)
+    return root
+
+
+def _five_key_config(folder: Path, backend: str) -> Path:
+    path = folder / f"five-{backend}.yaml"
+    path.write_text(yaml.safe_dump({"name": f"five-{backend}", "backend": backend, "target": {"model": "target"},
+                                    "draft": {"model": "draft"}, "speculative": {"max_draft_len": 3}}))
+    return path
+
+
+def test_five_key_config_over_a_512_position_pair_checks_and_builds(pair_512, capsys):
+    from pipeline.executor import SpeculativeExecutor
+    from pipeline.stages import run_check, run_stages, verify_engines
+
+    config = load_config(_five_key_config(pair_512, "torch"))
+    assert config.build.max_seq_len is None and config.build.max_input_len is None
+    report = run_check(config)
+    out = capsys.readouterr().out
+    assert "default  build.max_seq_len: 512 (not set: the models' position limit (target 512, draft 512)" in out
+    assert "default  build.max_input_len: 256 (not set: half of max_seq_len)" in out
+    assert (report.build.max_seq_len, report.build.max_input_len) == (512, 256)
+
+    engines = pair_512 / "engines"
+    run_stages(config, engines, ("convert", "build"))
+    root = engines / config.name
+    for role in ("target", "draft"):
+        engine = json.loads((root / role / "build" / "engine.json").read_text())
+        assert (engine["max_seq_len"], engine["max_input_len"]) == (512, 256)
+        manifest = json.loads((root / role / "build" / "manifest.json").read_text())
+        assert (manifest["config"]["build"]["max_seq_len"], manifest["config"]["build"]["max_input_len"]) == \
+            (512, 256)
+    verify_engines(config, engines)  # the same five-key config matches the engines built from it
+    executor = SpeculativeExecutor.from_engines(root, device="cpu")
+    assert (executor.max_seq_len, executor.max_input_len, executor.max_draft_len) == (512, 256, 3)
+    assert len(executor.generate([[5, 6, 7]], max_new_tokens=4)[0].token_ids) == 4
+
+
+def test_five_key_trtllm_config_gets_concrete_limits_in_the_build_command(pair_512):
+    from pipeline.stages import Layout, build_role
+
+    config = load_config(_five_key_config(pair_512, "trtllm"))
+    plan = "\n".join(build_role(config, Layout.for_config(config, pair_512 / "engines"), "target", dry_run=True))
+    assert "--max_seq_len 512" in plan and "--max_input_len 256" in plan
+    assert '"max_seq_len": 512' in plan  # the engine.json the build writes
+
+
+def test_set_limits_are_still_checked_against_the_models(pair_512, tmp_path):
+    from pipeline.checks import check_pair
+
+    data = yaml.safe_load(_five_key_config(pair_512, "torch").read_text())
+    for build, message in [({"max_seq_len": 1024}, "build.max_seq_len: 1024 exceeds target max_position_embeddings"),
+                           ({"max_input_len": 600}, "build.max_input_len: 600 must be below build.max_seq_len (512")]:
+        path = pair_512 / "limits.yaml"
+        path.write_text(yaml.safe_dump({**data, "build": build}))
+        report = check_pair(load_config(path))
+        assert any(message in error for error in report.errors), report.errors

@@ -74,10 +74,11 @@ def test_trtllm_engine_parameters_come_from_the_config(trtllm_repo_dir):
     target, draft = params(configs["tensorrt_llm"]), params(configs["tensorrt_llm_draft"])
     assert target["gpt_model_path"] == str(engines / "target" / "build")
     assert draft["gpt_model_path"] == str(engines / "draft" / "build")
+    # GPU 0 holds target rank 0 and the draft: the two KV fractions split the configured 0.85.
+    assert (target["kv_cache_free_gpu_mem_fraction"], draft["kv_cache_free_gpu_mem_fraction"]) == ("0.68", "0.17")
     for p in (target, draft):
         assert p["gpt_model_type"] == "inflight_fused_batching"
         assert p["max_beam_width"] == "1"
-        assert p["kv_cache_free_gpu_mem_fraction"] == "0.85"
         assert p["enable_kv_cache_reuse"] == "true"
         assert p["speculative_decoding_fast_logits"] == "true"
         assert p["decoding_mode"] == "top_k_top_p"
@@ -88,8 +89,11 @@ def test_trtllm_engine_parameters_come_from_the_config(trtllm_repo_dir):
     bls = params(configs["tensorrt_llm_bls"])
     assert bls["tensorrt_llm_model_name"] == "tensorrt_llm"
     assert bls["tensorrt_llm_draft_model_name"] == "tensorrt_llm_draft"
+    # The tokenizer copy that build puts in the target engine folder, not the gated hub id.
     for name in ("preprocessing", "postprocessing"):
-        assert params(configs[name])["tokenizer_dir"] == "meta-llama/Llama-3.3-70B-Instruct"
+        assert params(configs[name])["tokenizer_dir"] == str(engines / "target" / "build" / "tokenizer")
+    assert target["tokenizer_dir"] == str(engines / "target" / "build" / "tokenizer")
+    assert draft["tokenizer_dir"] == str(engines / "draft" / "build" / "tokenizer")
 
 
 def _tensors(config, kind):
@@ -137,7 +141,7 @@ def test_trtllm_launch_script_and_world_size(trtllm_repo_dir):
     repo, config = trtllm_repo_dir
     assert trtllm_repo.RankPlan.for_config(config).world_size == 6  # orchestrator + 4 target + 1 draft
     script = (repo / "launch.sh").read_text()
-    assert "launch_triton_server.py" in script
+    assert "launch_triton_server.py" in script and "/app/all_models/inflight_batcher_llm" in script
     assert "--world_size 6" in script and '--model_repo "$HERE"' in script
     assert "--tensorrt_llm_model_name tensorrt_llm,tensorrt_llm_draft --multi-model" in script
     assert "--http_port 9000 --grpc_port 9001 --metrics_port 9002" in script

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from conftest import PY, REPO
 
-from pipeline.triton.server import free_port
+from triton_helpers import free_port
 
 pytestmark = pytest.mark.server
 

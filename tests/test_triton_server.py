@@ -23,7 +23,8 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from pipeline.config import load_config  # noqa: E402
 from pipeline.executor import SpeculativeExecutor  # noqa: E402
 from pipeline.triton.repository import deploy  # noqa: E402
-from pipeline.triton.server import Endpoints, TritonServer, free_port  # noqa: E402
+from pipeline.triton.server import Endpoints, TritonServer  # noqa: E402
+from triton_helpers import free_port  # noqa: E402
 
 pytestmark = pytest.mark.server
 

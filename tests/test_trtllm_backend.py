@@ -4,6 +4,8 @@ and the executor loop's bookkeeping against FakeTrtllmRuntime (a fake at the Ten
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -131,8 +133,8 @@ def test_vocab_mismatch(tmp_path):
 
 
 def test_engine_built_by_other_version(tmp_path):
-    problems = _run(*_pair(tmp_path, target={"version": "1.1.0"}))
-    assert len(problems) == 1 and "version is '1.1.0'" in problems[0] and PINNED_VERSION in problems[0]
+    problems = _run(*_pair(tmp_path, target={"version": "1.2.1"}))  # a pip release no 25.12 container ships
+    assert len(problems) == 1 and "version is '1.2.1'" in problems[0] and PINNED_VERSION in problems[0]
     assert "rebuild" in problems[0]
 
 
@@ -158,13 +160,13 @@ def test_check_pair_over_an_engines_folder(tmp_path):
     for role in ("target", "draft"):
         folder = tmp_path / role / "build"
         k = 4 if role == "target" else 0
-        fake_engine_config(folder, spec_mode=2 if k else 1, max_draft_len=k, version="1.1.0")
-        (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, "1.1.0")))
+        fake_engine_config(folder, spec_mode=2 if k else 1, max_draft_len=k, version="1.0.0")
+        (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, "1.0.0")))
         write_manifest(folder, {"stage": "build", "role": role})
     with pytest.raises(EngineError) as err:
         check_pair(tmp_path, PINNED_VERSION)
-    assert str(err.value).count("version is '1.1.0'") == 2 and "\n" not in str(err.value)
-    target, draft = check_pair(tmp_path, "1.1.0")
+    assert str(err.value).count("version is '1.0.0'") == 2 and "\n" not in str(err.value)
+    target, draft = check_pair(tmp_path, "1.0.0")
     assert target["backend"] == draft["backend"] == "trtllm" and target["max_draft_len"] == 4
     assert set(target) >= {"backend", "role", "config_name", "dtype", "max_batch_size", "max_input_len",
                            "max_seq_len", "max_draft_len", "acceptance", "tp", "pp", "trtllm_version"}
@@ -284,3 +286,106 @@ def test_stream_yields_one_event_per_target_step():
     events = list(ex.generate_stream([1, 2, 3], 12))
     assert len(events) == events[-1].stats.target_steps and events[-1].finished
     assert [t for e in events for t in e.token_ids] == reference([1, 2, 3], 12)
+
+
+# ---- the Python path splits KV memory with the function the Triton repository uses -------------------------------
+
+def _tiny_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "a": 1, "b": 2}
+    fast = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="<eos>")), eos_token="<eos>")
+    fast.save_pretrained(folder)
+
+
+@pytest.mark.parametrize("draft_ids, shared", [([0], True), ([1], False)])
+def test_executor_engines_get_the_shared_kv_split(monkeypatch, tmp_path, draft_ids, shared):
+    from pipeline.backends import trtllm_loading
+    from pipeline.backends.trtllm_api import kv_cache_fractions
+
+    config = load_config(CONFIG)
+    for role in ("target", "draft"):
+        folder = tmp_path / role / "build"
+        k = 4 if role == "target" else 0
+        fake_engine_config(folder, spec_mode=2 if k else 1, max_draft_len=k)
+        (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, PINNED_VERSION)))
+        write_manifest(folder, {"stage": "build", "role": role})
+    _tiny_tokenizer(tmp_path / "target" / "build" / "tokenizer")
+    opened = {}
+
+    class RecordingEngine:  # FAKE ModelRunnerEngine: records what each engine would be opened with
+        def __init__(self, engine_dir, device_ids, kv_fraction, *args):
+            opened[Path(engine_dir).parent.name] = (list(device_ids), kv_fraction)
+
+    monkeypatch.setattr(trtllm_loading, "import_tensorrt_llm", lambda what: type("M", (), {"__version__":
+                                                                                              PINNED_VERSION}))
+    monkeypatch.setattr(trtllm_loading, "require_cuda_gpu", lambda what: None)
+    monkeypatch.setattr(trtllm_loading, "ModelRunnerEngine", RecordingEngine)
+    trtllm_loading.load_executor(lambda *args, **kwargs: None, tmp_path, [0], draft_ids)
+    fraction = config.build.kv_cache.free_gpu_mem_fraction
+    target_kv, draft_kv = kv_cache_fractions(fraction, [0], draft_ids)
+    assert opened == {"target": ([0], target_kv), "draft": (draft_ids, draft_kv)}
+    assert (target_kv + draft_kv <= fraction + 1e-9) if shared else (target_kv == draft_kv == fraction)
+
+
+# ---- scripts/gpu_smoke_check.py: a divergence fails only when the target's top-2 margin is clear --------------------
+
+def _smoke_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_smoke_check", REPO / "scripts" / "gpu_smoke_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is being built
+    spec.loader.exec_module(module)
+    return module
+
+
+def _logits(**values) -> torch.Tensor:
+    row = torch.full((VOCAB,), -10.0)
+    for token, value in values.items():
+        row[int(token.removeprefix("t"))] = value
+    return row
+
+
+def test_smoke_divergence_near_tie_vs_clear():
+    check = _smoke_check()
+    assert check.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert check.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert check.first_divergence([1, 2], [1, 2, 3]) == 2
+    seen = []
+
+    def next_logits(ids):
+        seen.append(ids)
+        return _logits(t7=20.0, t9=19.8)  # the target's two best after the common prefix: 7, then 9 (gap 0.2)
+
+    tie = check.divergence([4, 4], [5, 7, 1], [5, 9, 1], next_logits)
+    assert seen == [[4, 4, 5]]  # prompt + the common prefix of the two outputs
+    assert (tie.position, tie.plain, tie.spec, tie.best, tie.second) == (1, 7, 9, 7, 9)
+    assert tie.margin == pytest.approx(0.2, abs=1e-5) and tie.near_tie and "near-tie" in tie.describe()
+    wide = check.divergence([4], [7], [9], lambda ids: _logits(t7=21.0, t9=19.8))  # gap 1.2 > 0.5
+    assert not wide.near_tie and "CLEAR" in wide.describe() and "margin 1.2000" in wide.describe()
+    off_top2 = check.divergence([4], [7], [3], lambda ids: _logits(t7=20.0, t9=19.9))  # 3 is not a top-2 token
+    assert not off_top2.near_tie
+    assert check.divergence([4], [7, 8], [7, 8], lambda ids: 1 / 0) is None  # identical: no logits needed
+
+
+def test_gpu_smoke_script_fails_on_a_version_mismatch(tmp_path):
+    """Step 1 of scripts/gpu_smoke.sh against a FAKE tensorrt_llm package of another release: it must exit."""
+    assert subprocess.run(["bash", "-n", str(REPO / "scripts" / "gpu_smoke.sh")]).returncode == 0
+    fake = tmp_path / "site" / "tensorrt_llm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('__version__ = "1.2.1"\n')
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "python3"  # the script runs python3; give it this venv's interpreter (torch)
+    wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(tmp_path / "site"),
+           "SMOKE_DIR": str(tmp_path / "smoke")}
+    done = subprocess.run(["bash", str(REPO / "scripts" / "gpu_smoke.sh")], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode != 0
+    assert f"installed TensorRT-LLM is 1.2.1 but this pipeline is pinned to {PINNED_VERSION}" in done.stderr
+    assert "== 2." not in done.stdout  # stopped before any build

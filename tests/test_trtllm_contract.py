@@ -1,5 +1,7 @@
-"""Contract tests: every trtllm-build argv we generate parses against the recorded API of TensorRT-LLM 1.2.1,
-and `python -m pipeline build CONFIG --dry-run` matches a reviewed golden file for each shipped GPU config.
+"""Contract tests: every trtllm-build argv we generate parses against the recorded API of the pinned TensorRT-LLM
+(tests/data/trtllm_<release>_api.json), the ModelRunnerCpp calls bind to the recorded signatures, and
+`python -m pipeline build CONFIG --dry-run` matches a reviewed golden file for each shipped GPU config.
+Tests marked gpu repeat the checks against the installed release (they skip without TensorRT-LLM).
 
 Regenerate the goldens after an intended change with: UPDATE_GOLDEN=1 .venv/bin/pytest -q tests/test_trtllm_contract.py
 """
@@ -7,20 +9,28 @@ Regenerate the goldens after an intended change with: UPDATE_GOLDEN=1 .venv/bin/
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import shlex
+import subprocess
+import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from conftest import REPO, run_cli
 from pipeline.backends.trtllm_api import PINNED_VERSION, build_argv, convert_calls
+from pipeline.backends.trtllm_runtime import Sampling
 from pipeline.checks import TRTLLM_ARCHITECTURES
 from pipeline.config import load_config, parse_config
 
-API = json.loads((REPO / "tests" / "data" / f"trtllm_{PINNED_VERSION}_api.json").read_text())
+API_FILE = REPO / "tests" / "data" / f"trtllm_{PINNED_VERSION}_api.json"
+API = json.loads(API_FILE.read_text())
+OPTIONS = API["trtllm_build"]["options"]
 GOLDEN = REPO / "tests" / "golden"
 GPU_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml") if yaml.safe_load(p.read_text())["backend"] ==
                      "trtllm")
@@ -35,27 +45,36 @@ class _Parser(argparse.ArgumentParser):
         raise ContractError(message)
 
 
+def _enum_parser(members: list[str]):
+    def parse(value: str):  # enum_type(...) -> Enum.from_string: upper-cases, then looks the member up
+        if value.upper() not in members:
+            raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose from {members})")
+        return value.upper()
+    return parse
+
+
 def trtllm_build_parser() -> argparse.ArgumentParser:
-    """An argparse parser with the options, types and choices recorded for the pinned trtllm-build."""
+    """An argparse parser with the options, types, choices and actions recorded for the pinned trtllm-build."""
     parser = _Parser(prog="trtllm-build", allow_abbrev=False)
-    types = {"str": str, "int": int}
-    for flag, spec in API["trtllm_build"]["options"].items():
-        names = [flag, *spec.get("aliases", [])]
-        if spec.get("action") == "store_true":
-            parser.add_argument(*names, action="store_true")
-            continue
-        kwargs = {"type": types[spec["type"]]}
+    enums = API["trtllm_build"]["enums"]
+    for flag, spec in OPTIONS.items():
+        kwargs: dict = {}
+        if "action" in spec:
+            kwargs["action"] = spec["action"]
+        if "dest" in spec:
+            kwargs["dest"] = spec["dest"]
+        if "nargs" in spec:
+            kwargs["nargs"] = spec["nargs"]
+        kind = spec.get("type")
+        if kind in ("str", "int"):
+            kwargs["type"] = {"str": str, "int": int}[kind]
+        elif kind and kind.startswith("enum_type("):
+            kwargs["type"] = _enum_parser(enums[kind.removeprefix("enum_type(").rstrip(")")]["members"])
         if "choices" in spec:
             kwargs["choices"] = spec["choices"]
-        if "choices_ci" in spec:  # the release upper-cases before matching (KVCacheType.from_string)
-            allowed = spec["choices_ci"]
-            kwargs["type"] = lambda v, allowed=allowed: v if v.lower() in allowed else _bad(v, allowed)
-        parser.add_argument(*names, **kwargs)
+        # choices given by an expression (severity_map.keys(), ...) are unknown here: we never pass those options
+        parser.add_argument(flag, *spec.get("aliases", []), **kwargs)
     return parser
-
-
-def _bad(value, allowed):
-    raise argparse.ArgumentTypeError(f"invalid choice {value!r} (choose from {allowed})")
 
 
 VARIANTS = [{}, {"speculative": {"acceptance": "greedy"}},
@@ -74,8 +93,26 @@ def _apply(path: Path, tp: int, variant: dict):
     return parse_config(data, source=str(path), base_dir=path.parent)
 
 
+def _all_argvs():
+    for config_path in GPU_CONFIGS:
+        for tp in (1, 4):
+            for variant in VARIANTS:
+                config = _apply(config_path, tp, variant)
+                for role in ("target", "draft"):
+                    yield config, role, build_argv(config, role, Path("/ckpt") / role, Path("/out") / role)
+
+
 def test_there_are_gpu_configs():
     assert len(GPU_CONFIGS) >= 3
+
+
+def test_recorded_contract_is_the_pinned_release():
+    assert API["release"] == PINNED_VERSION == "1.1.0"
+    assert API["triton_container"].endswith(":25.12-trtllm-python-py3")
+    # Options that exist in this release and that we rely on; --gather_generation_logits is still a build flag.
+    for flag in ("--speculative_decoding_mode", "--max_draft_len", "--use_paged_context_fmha",
+                 "--gather_generation_logits", "--kv_cache_type", "--gemm_plugin"):
+        assert flag in OPTIONS
 
 
 @pytest.mark.parametrize("config_path", GPU_CONFIGS, ids=lambda p: p.stem)
@@ -91,7 +128,7 @@ def test_every_argv_parses_against_pinned_trtllm_build(config_path, tp, variant)
         assert args.checkpoint_dir == f"/ckpt/{role}" and args.output_dir == f"/out/{role}"
         assert args.use_paged_context_fmha == "enable" and args.context_fmha == "enable"
         assert args.gemm_plugin == getattr(config, role).dtype
-        assert args.kv_cache_type == "paged" and args.tokens_per_block == config.build.kv_cache.tokens_per_block
+        assert args.kv_cache_type == "PAGED" and args.tokens_per_block == config.build.kv_cache.tokens_per_block
         assert (args.max_batch_size, args.max_input_len, args.max_seq_len) == (
             config.build.max_batch_size, config.build.max_input_len, config.build.max_seq_len)
         # build.py raises on gather_context_logits with max_draft_len > 0; we never pass it.
@@ -102,6 +139,18 @@ def test_every_argv_parses_against_pinned_trtllm_build(config_path, tp, variant)
             assert args.max_draft_len == config.speculative.max_draft_len
         else:
             assert args.speculative_decoding_mode is None and not args.max_draft_len
+
+
+def test_recorded_parser_refuses_what_the_release_refuses():
+    """The recorded parser is a real check: an unknown flag, a bad choice or a bad enum value fails."""
+    parser = trtllm_build_parser()
+    with pytest.raises(ContractError, match="unrecognized"):
+        parser.parse_args(["--max_draft_length", "4"])
+    with pytest.raises(ContractError, match="invalid choice"):
+        parser.parse_args(["--speculative_decoding_mode", "draft_target"])
+    with pytest.raises(ContractError, match="kv_cache_type"):
+        parser.parse_args(["--kv_cache_type", "blocks"])
+    assert parser.parse_args(["--max_decoder_seq_len", "9"]).max_seq_len == 9  # alias of --max_seq_len
 
 
 @pytest.mark.parametrize("config_path", GPU_CONFIGS, ids=lambda p: p.stem)
@@ -129,6 +178,126 @@ def test_architectures_match_the_pinned_model_map():
     assert TRTLLM_ARCHITECTURES == set(API["converter"]["model_map_causal_lm"])
 
 
+# ---- ModelRunnerCpp: our calls bind to the recorded signatures --------------------------------------------------
+
+def recorded_signature(name: str) -> tuple[inspect.Signature, set[str]]:
+    """inspect.Signature built from the recorded parameters, and the **kwargs names the method reads."""
+    spec = API["runtime"][f"ModelRunnerCpp.{name}"]
+    params = [inspect.Parameter(p, inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in ["self", *spec["positional"]]]
+    params += [inspect.Parameter(p, inspect.Parameter.KEYWORD_ONLY, default=d) for p, d in spec["keyword_only"].items()]
+    if spec["var_keyword"]:
+        params.append(inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD))
+    return inspect.Signature(params), set(spec.get("kwargs_read", []))
+
+
+def check_call(name: str, args: tuple, kwargs: dict) -> None:
+    signature, kwargs_read = recorded_signature(name)
+    bound = signature.bind(None, *args, **kwargs)  # TypeError on a name the release does not take
+    extra = set(bound.arguments.get("kwargs", {}))
+    assert extra <= kwargs_read, f"{name}: {sorted(extra - kwargs_read)} would be silently ignored by **kwargs"
+
+
+class RecordingModelRunnerCpp:
+    """A FAKE tensorrt_llm.runtime.ModelRunnerCpp: checks each call against the recorded signature."""
+
+    calls: list = []
+
+    @classmethod
+    def from_dir(cls, *args, **kwargs):
+        check_call("from_dir", args, kwargs)
+        cls.calls.append(("from_dir", kwargs))
+        runner = cls()
+        runner.vocab_size_padded = 64
+        return runner
+
+    def generate(self, *args, **kwargs):
+        check_call("generate", args, kwargs)
+        self.calls.append(("generate", kwargs))
+        n = kwargs["max_new_tokens"]
+        prompt = args[0][0].tolist()
+        ids = torch.tensor([[prompt + list(range(n))]])
+        return {"output_ids": ids, "sequence_lengths": torch.tensor([[len(prompt) + n]]),
+                "generation_logits": torch.zeros(1, 1, n, 64)}
+
+
+def test_model_runner_calls_bind_to_the_recorded_signatures(monkeypatch, tmp_path):
+    runtime = types.ModuleType("tensorrt_llm.runtime")
+    runtime.ModelRunnerCpp = RecordingModelRunnerCpp
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.ModuleType("tensorrt_llm"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
+    from pipeline.backends.trtllm_loading import ModelRunnerEngine
+
+    RecordingModelRunnerCpp.calls = []
+    engine = ModelRunnerEngine(tmp_path, [0], 0.17, True, True, 2, 2)
+    out = engine.generate([5, 6], 3, Sampling(0.7, 20, 0.9, 11), draft_tokens=[1, 2], draft_logits=torch.zeros(2, 64),
+                          want_logits=True)
+    assert out.token_ids == [0, 1, 2] and out.logits.shape == (3, 64)
+    engine.generate([5, 6], 2, Sampling())
+    (_, from_dir), (_, spec), (_, greedy) = RecordingModelRunnerCpp.calls
+    assert from_dir["kv_cache_free_gpu_memory_fraction"] == 0.17 and from_dir["is_orchestrator_mode"]
+    assert spec["draft_tokens_list"] == [[1, 2]] and spec["random_seed"] == 11 and spec["top_k"] == 20
+    assert greedy["top_k"] == 1 and "draft_tokens_list" not in greedy
+    with pytest.raises(TypeError):  # the check is real: a misspelt keyword does not bind
+        check_call("from_dir", ("/e",), {"kv_cache_free_gpu_mem_fraction": 0.5})
+    with pytest.raises(AssertionError, match="silently ignored"):
+        check_call("generate", ([],), {"draft_token_list": [[1]]})
+
+
+# ---- the recorded option list comes from the extraction script -------------------------------------------------
+
+def test_extraction_script_reads_options_choices_and_plugin_fields(tmp_path):
+    build_py = tmp_path / "build.py"
+    build_py.write_text(
+        "def parse_arguments():\n"
+        "    parser = argparse.ArgumentParser()\n"
+        "    parser.add_argument('--max_seq_len', '--max_decoder_seq_len', dest='max_seq_len', type=int,\n"
+        "                        default=BuildConfig.max_seq_len, help='x')\n"
+        "    g = parser.add_argument_group('spec')\n"
+        "    g.add_argument('--speculative_decoding_mode', default=None, choices=['draft_tokens_external', 'medusa'])\n"
+        "    g.add_argument('--gather_generation_logits', action='store_true', default=False)\n"
+        "    parser.add_argument('--log_level', type=str, default='info', choices=severity_map.keys())\n"
+        "    add_plugin_argument(parser)\n"
+        "    return parser\n")
+    plugin_py = tmp_path / "plugin.py"
+    plugin_py.write_text(
+        "DefaultPluginDtype = Literal['auto', 'float16', None]\n"
+        "class PluginConfig(BaseModel):\n"
+        "    gemm_plugin: Optional[Literal['auto', 'fp8', None]] = Field(default=None, description='g')\n"
+        "    nccl_plugin: Optional[DefaultPluginDtype] = Field(default='auto', description='n')\n"
+        "    lora_plugin: Optional[DefaultPluginDtype] = Field(default=None, description='l')\n"
+        "    use_paged_context_fmha: bool = Field(default=True, description='p')\n"
+        "    tokens_per_block: int = Field(default=32, description='t')\n"
+        "    manage_weights: bool = Field(default=False, description='not on the CLI')\n"
+        "cli_plugin_args = ['gemm_plugin', 'nccl_plugin', 'lora_plugin', 'use_paged_context_fmha', 'tokens_per_block']\n")
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "extract_trtllm_build_options.py"), str(build_py),
+                          str(plugin_py), "--provenance", "commit=abc"], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout)
+    options = result["options"]
+    assert result["provenance"] == {"commit": "abc"}
+    assert options["--max_seq_len"] == {"dest": "max_seq_len", "type": "int", "default_expr": "BuildConfig.max_seq_len",
+                                        "aliases": ["--max_decoder_seq_len"]}
+    assert options["--speculative_decoding_mode"]["choices"] == ["draft_tokens_external", "medusa"]
+    assert options["--gather_generation_logits"] == {"action": "store_true", "default": False}
+    assert options["--log_level"]["choices_expr"] == "severity_map.keys()"
+    assert options["--gemm_plugin"] == {"type": "str", "choices": ["auto", "fp8", "disable"], "default": None}
+    assert options["--nccl_plugin"] == {"type": "str", "choices": ["auto", "float16", "disable"], "default": "auto"}
+    assert options["--lora_plugin"]["default"] == "disable"  # falsy defaults print as disable, except gemm_plugin
+    assert options["--use_paged_context_fmha"] == {"type": "str", "choices": ["enable", "disable"],
+                                                   "default": "enable"}
+    assert options["--tokens_per_block"] == {"type": "int", "default": 32}
+    assert "--manage_weights" not in options
+
+
+def test_recorded_options_come_from_the_script():
+    assert "extract_trtllm_build_options.py" in API["trtllm_build"]["extracted_by"]
+    assert (REPO / "scripts" / "extract_trtllm_build_options.py").is_file()
+    # the plugin-derived options carry the script's shape: every enable/disable option has both choices
+    for flag in ("--context_fmha", "--use_paged_context_fmha", "--remove_input_padding"):
+        assert OPTIONS[flag]["choices"] == ["enable", "disable"]
+
+
+# ---- dry-run goldens ----------------------------------------------------------------------------------------------
+
 def _golden_check(name: str, text: str):
     path = GOLDEN / name
     if os.environ.get("UPDATE_GOLDEN") == "1":
@@ -144,6 +313,7 @@ def test_dry_run_golden(config_path, tmp_path):
                    timeout=120)
     assert proc.returncode == 0, proc.stderr
     _golden_check(f"build_dry_run_{config_path.stem}.txt", proc.stdout)
+    assert f"TensorRT-LLM {PINNED_VERSION}" in proc.stdout and '"trtllm_version": "1.1.0"' in proc.stdout
     parser = trtllm_build_parser()
     commands = [line for line in proc.stdout.splitlines() if line.startswith("trtllm-build ")]
     assert len(commands) == 2
@@ -153,10 +323,50 @@ def test_dry_run_golden(config_path, tmp_path):
     assert config.target.model in proc.stdout and config.draft.model in proc.stdout
 
 
-def test_contract_matches_installed_trtllm():
-    """On a GPU box with the pinned release: the recorded options are the real ones."""
-    pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM is not installed (runs inside the Triton container)")
+# ---- on a GPU box: the same checks against the installed release -------------------------------------------------
+
+@pytest.mark.gpu
+def test_installed_trtllm_is_the_pinned_release():
+    trtllm = pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM is not installed (runs inside the container)")
+    assert trtllm.__version__ == PINNED_VERSION, (f"installed TensorRT-LLM {trtllm.__version__}, pinned "
+                                                  f"{PINNED_VERSION}: use {API['triton_container']}")
+
+
+@pytest.mark.gpu
+def test_every_argv_parses_with_the_installed_trtllm_build():
+    pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM is not installed (runs inside the container)")
     from tensorrt_llm.commands.build import parse_arguments
 
-    real = {a for action in parse_arguments()._actions for a in action.option_strings}
-    assert set(API["trtllm_build"]["options"]) <= real
+    real = parse_arguments()
+    for config, role, argv in _all_argvs():
+        args = real.parse_args(argv[1:])  # exits with the release's own message on an unknown option or choice
+        assert args.gather_generation_logits == (config.speculative.acceptance == "rejection"), (role, argv)
+    recorded = {flag: spec for flag, spec in OPTIONS.items()}
+    actions = {a.option_strings[0]: a for a in real._actions if a.option_strings}
+    assert set(recorded) == set(actions) - {"-h"}, "recorded option list differs from the installed trtllm-build"
+    for flag, spec in recorded.items():
+        if "choices" in spec:
+            assert list(actions[flag].choices) == spec["choices"], flag
+        if "default" in spec:
+            assert actions[flag].default == spec["default"], flag
+
+
+@pytest.mark.gpu
+def test_model_runner_signatures_match_the_installed_release():
+    pytest.importorskip("tensorrt_llm", reason="TensorRT-LLM is not installed (runs inside the container)")
+    from tensorrt_llm.runtime import ModelRunnerCpp
+
+    for name in ("from_dir", "generate"):
+        real = inspect.signature(getattr(ModelRunnerCpp, name))
+        spec = API["runtime"][f"ModelRunnerCpp.{name}"]
+        named = {p.name: p for p in real.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+        named.pop("self", None)
+        named.pop("cls", None)
+        assert set(named) == set(spec["positional"]) | set(spec["keyword_only"]), name
+        for param, default in spec["keyword_only"].items():
+            assert named[param].default == default, (name, param)
+        has_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in real.parameters.values())
+        assert has_kwargs == spec["var_keyword"], name
+    source = inspect.getsource(ModelRunnerCpp.generate)
+    for key in ("random_seed", "draft_tokens_list", "draft_logits_list", "temperature", "top_k", "top_p"):
+        assert f'"{key}"' in source or f"'{key}'" in source, f"generate() no longer reads **kwargs[{key!r}]"

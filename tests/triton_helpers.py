@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 
 from pipeline.config import load_config
 from pipeline.triton.repository import deploy
-from pipeline.triton.server import Endpoints, TritonServer, free_port
+from pipeline.triton.server import Endpoints, TritonServer
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (a race with other processes is possible but rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def start_server(config_path: Path, engines: Path, log_path: Path) -> TritonServer:

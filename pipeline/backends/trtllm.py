@@ -1,4 +1,4 @@
-"""The TensorRT-LLM backend (pinned release 1.2.1): converter API -> checkpoint, `trtllm-build` -> engine, and the
+"""The TensorRT-LLM backend (pinned release 1.1.0, what tritonserver:25.12-trtllm-python-py3 ships): converter API -> checkpoint, `trtllm-build` -> engine, and the
 draft-target executor over two engines.
 
 tensorrt_llm is imported lazily: planning (`build --dry-run`) works anywhere, and every step that needs
@@ -18,10 +18,9 @@ from pathlib import Path
 from ..config import PipelineConfig
 from ..errors import CompatibilityError, EngineError
 from ..models import ResolvedModel, load_tokenizer, read_hf_config
-from .trtllm_api import (PINNED_VERSION, build_argv, convert_calls, format_argv, import_tensorrt_llm,
+from .trtllm_api import (PINNED_VERSION, TOKENIZER_DIR, build_argv, convert_calls, format_argv, import_tensorrt_llm,
                          needs_generation_logits, require_cuda_gpu, require_trtllm_build, role_parallel)
 from ..executor.loading import ENGINE_FILE
-from .trtllm_loading import TOKENIZER_DIR
 from .trtllm_preflight import (check_context_logits, check_target_spec_mode, raise_if_problems,
                                read_engine_config)
 from .trtllm_runtime import TrtllmSpeculativeExecutor

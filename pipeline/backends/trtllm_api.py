@@ -3,8 +3,8 @@
 Everything here is pure (no TensorRT-LLM import), so `build --dry-run` and the contract tests run on any machine.
 The option names and choices were read from NVIDIA/TensorRT-LLM (tensorrt_llm/commands/build.py,
 tensorrt_llm/plugin/plugin.py, tensorrt_llm/models/__init__.py, tensorrt_llm/models/modeling_utils.py); the
-contract file tests/data/trtllm_1.2.1_api.json records them with provenance and the tests parse every argv we
-generate against it.
+contract file tests/data/trtllm_1.1.0_api.json records them with provenance (the option list extracted by
+scripts/extract_trtllm_build_options.py) and the tests parse every argv we generate against it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,17 @@ from pathlib import Path
 from ..config import PipelineConfig
 from ..errors import BackendUnavailable, ConfigError
 
-PINNED_VERSION = "1.2.1"
+# What the Triton container ships (NVIDIA's compatibility matrix: 25.12 = TensorRT-LLM 1.1.0, TensorRT 10.13.3.9,
+# CUDA 13.0.2); engines only load in the release that built them, so build and serve in this one container.
+PINNED_VERSION = "1.1.0"
 TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
+# Where that container keeps the Triton model templates and launcher (tensorrtllm_backend's Dockerfile copies
+# TensorRT-LLM's triton_backend/all_models and scripts/ to /app).
+CONTAINER_TRITON_MODELS = "/app/all_models/inflight_batcher_llm"
+CONTAINER_TRITON_LAUNCHER = "/app/scripts/launch_triton_server.py"
+# build copies the tokenizer into every engine folder (engines/<name>/<role>/build/tokenizer), so nothing that
+# runs the engines needs the source model, the hub or a token again.
+TOKENIZER_DIR = "tokenizer"
 INSTALL_HINT = (f"run inside the Triton TRT-LLM container {TRITON_CONTAINER}, or `pip install .[trtllm]` "
                 f"(tensorrt-llm=={PINNED_VERSION}, served from NVIDIA's index https://pypi.nvidia.com)")
 
@@ -60,6 +69,25 @@ def role_quant(config: PipelineConfig, role: str) -> tuple[str | None, str | Non
 
 def needs_generation_logits(config: PipelineConfig) -> bool:
     return config.speculative.acceptance == "rejection"
+
+
+# Share of the KV-cache memory fraction given to the draft when it shares a GPU with the target. Both engines cache
+# the same sequences, so each needs memory in proportion to its KV bytes per token (layers x KV heads x head dim):
+# Llama 3.2 1B has 1/4 of Llama 3.1 8B's, Qwen2.5 0.5B about 1/4.7 of Qwen2.5 7B's, so the draft gets 1/5.
+DRAFT_KV_SHARE = 0.2
+
+
+def kv_cache_fractions(fraction: float, target_device_ids: list[int], draft_device_ids: list[int]
+                       ) -> tuple[float, float]:
+    """(target, draft) kv_cache_free_gpu_mem_fraction for the executor and for Triton alike.
+
+    Each engine takes its fraction of the memory free when it loads. On a shared GPU the two fractions sum to the
+    configured one, so the pair never takes more than that, whichever loads first; on separate GPUs each gets it.
+    """
+    if not set(target_device_ids) & set(draft_device_ids):
+        return fraction, fraction
+    draft = round(fraction * DRAFT_KV_SHARE, 4)
+    return round(fraction - draft, 4), draft
 
 
 def validate_for_trtllm(config: PipelineConfig) -> None:

@@ -10,11 +10,11 @@ from typing import Any
 
 from ..executor.loading import read_engine_info
 from ..errors import EngineError
-from .trtllm_api import import_tensorrt_llm, require_cuda_gpu
+from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, require_cuda_gpu
 from .trtllm_preflight import preflight, raise_if_problems, read_engine_config
 from .trtllm_runtime import EngineLimits, EngineOutput, Sampling
 
-TOKENIZER_DIR = "tokenizer"
+__all__ = ["TOKENIZER_DIR", "check_pair", "load_executor", "ModelRunnerEngine"]
 
 
 def check_pair(root: Path, installed_version: str | None, target_device_ids: list[int] | None = None,
@@ -49,16 +49,14 @@ def load_executor(cls, root, target_device_ids: list[int] | None = None,
     rejection = target_info["acceptance"] == "rejection"
     target_ids = target_device_ids or target_info["target_device_ids"]
     draft_ids = draft_device_ids or target_info["draft_device_ids"]
-    kv_fraction = target_info["kv_cache_free_gpu_mem_fraction"]
-    # Loaded first, the draft takes its share of free memory before the target; a small draft needs far less KV
-    # than the target, so on a shared GPU it gets a quarter of the configured fraction.
-    shared = bool(set(target_ids) & set(draft_ids))
+    # On a shared GPU the two fractions sum to the configured one (the same split the Triton repository uses).
+    target_kv, draft_kv = kv_cache_fractions(target_info["kv_cache_free_gpu_mem_fraction"], target_ids, draft_ids)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
-    draft = ModelRunnerEngine(root / "draft" / "build", draft_ids, kv_fraction / 4 if shared else kv_fraction,
-                              target_info["enable_block_reuse"], rejection, eos, pad)
-    target = ModelRunnerEngine(root / "target" / "build", target_ids, kv_fraction,
-                               target_info["enable_block_reuse"], rejection, eos, pad)
+    draft = ModelRunnerEngine(root / "draft" / "build", draft_ids, draft_kv, target_info["enable_block_reuse"],
+                              rejection, eos, pad)
+    target = ModelRunnerEngine(root / "target" / "build", target_ids, target_kv, target_info["enable_block_reuse"],
+                               rejection, eos, pad)
     limits = EngineLimits(target_info["max_input_len"], target_info["max_seq_len"], target_info["max_draft_len"])
     return cls(target, draft, tokenizer, limits, target_info["max_draft_len"], target_info["acceptance"],
                eos_token_ids=[eos] if eos is not None else [])

@@ -74,32 +74,29 @@ def alpha_from_steps(steps: Sequence[tuple[int, int]]) -> float:
     return accepted / (accepted + rejections)
 
 
-def best_k(alpha: float, c: float, k_max: int, verify_costs: Sequence[float] | None = None) -> tuple[int, float]:
-    """The K in 1..k_max with the highest speedup bound, and that bound; ties go to the smaller K.
+def speedups_from_survival(survival: Sequence[float], c: float, verify_costs: Sequence[float] | None = None
+                           ) -> list[float]:
+    """[len(survival)] expected speedup of K = 1..len(survival): tokens a step emits over what it costs.
 
-    ``verify_costs[k - 1]`` is the measured verify cost at K=k; None uses the paper's 1.0 for every K.
+    ``survival`` is the measured per-position acceptance (see expected_tokens_from_survival);
+    ``verify_costs[k - 1]`` is the measured verify cost at K=k, None uses the paper's 1.0 for every K.
     """
-    if k_max < 1:
-        raise ValueError(f"k_max: {k_max} must be >= 1")
-    if verify_costs is not None and len(verify_costs) < k_max:
-        raise ValueError(f"verify_costs: {len(verify_costs)} values for k_max {k_max}; measure one per K")
-    best = (0, 0.0)
-    for k in range(1, k_max + 1):
-        value = speedup_bound(alpha, k, c, verify_costs[k - 1] if verify_costs is not None else 1.0)
-        if value > best[1] + 1e-12:
-            best = (k, value)
-    return best
+    if not survival:
+        raise ValueError("survival: no measured positions; profile with --k-max >= 1")
+    if verify_costs is not None and len(verify_costs) < len(survival):
+        raise ValueError(f"verify_costs: {len(verify_costs)} values for {len(survival)} positions; measure one "
+                         f"per K")
+    return [expected_tokens_from_survival(survival, k) /
+            step_cost(k, c, verify_costs[k - 1] if verify_costs is not None else 1.0)
+            for k in range(1, len(survival) + 1)]
 
 
 def best_k_from_survival(survival: Sequence[float], c: float, verify_costs: Sequence[float] | None = None
                          ) -> tuple[int, float]:
-    """Like :func:`best_k`, from measured per-position acceptance instead of one alpha."""
-    if not survival:
-        raise ValueError("survival: no measured positions; profile with --k-max >= 1")
+    """The K with the highest expected speedup (speedups_from_survival), and that speedup; ties (within float
+    rounding) go to the smaller K, which costs less draft work for the same gain."""
     best = (0, 0.0)
-    for k in range(1, len(survival) + 1):
-        verify = verify_costs[k - 1] if verify_costs is not None else 1.0
-        value = expected_tokens_from_survival(survival, k) / step_cost(k, c, verify)
+    for k, value in enumerate(speedups_from_survival(survival, c, verify_costs), 1):
         if value > best[1] + 1e-12:
             best = (k, value)
     return best

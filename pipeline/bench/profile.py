@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PipelineError
-from .analytic import expected_tokens_from_survival, step_cost
+from .analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
 
 
 @dataclass
@@ -42,12 +42,6 @@ class DraftProfile:
         return (f"{self.draft}: acceptance by position [{by_pos}], c = {self.cost_ratio_c:.3f}; K={k} maximises "
                 f"(1 + accepted by position[:K]) / (K c + verify_K) = {tokens:.2f} / ({k} x {self.cost_ratio_c:.3f} "
                 f"+ {self.verify_cost_ratio[k - 1]:.2f}) = {self.best_speedup:.2f}x")
-
-
-def expected_speedups(survival: list[float], c: float, verify: list[float]) -> list[float]:
-    """[len(survival)] expected speedup for K = 1..len(survival) from measured terms."""
-    return [expected_tokens_from_survival(survival, k) / step_cost(k, c, verify[k - 1])
-            for k in range(1, len(survival) + 1)]
 
 
 def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, prompts: list[str], k_max: int,
@@ -80,10 +74,10 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
     if len(context) < k_max + 1:
         context = (context * (k_max + 1))[:k_max + 1]
     costs = measure_costs(executor.target, executor.draft, context, k_max, repeats=cost_repeats)
-    speedups = expected_speedups(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
-    best = max(range(k_max), key=lambda i: (speedups[i], -i))
+    speedups = speedups_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
+    best_k, best_speedup = best_k_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     return DraftProfile(draft_name, "ok", "", stats.acceptance_rate, survival, costs.cost_ratio_c,
-                        costs.verify_cost_ratio, speedups, best + 1, speedups[best])
+                        costs.verify_cost_ratio, speedups, best_k, best_speedup)
 
 
 def recommendation(profiles: list[DraftProfile]) -> str:

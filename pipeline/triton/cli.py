@@ -13,7 +13,7 @@ def add_triton_parsers(sub, common) -> None:
     p.add_argument("--force", action="store_true", help="rewrite even if up to date")
     p.add_argument("--tokenizer-dir", default=None,
                    help="trtllm backend: tokenizer folder or hub id for pre/postprocessing "
-                        "(default: the target model's folder or id)")
+                        "(default: the tokenizer copy in the target engine folder)")
     p.set_defaults(func=cmd_deploy)
 
     p = sub.add_parser("serve", help="deploy if needed, then run tritonserver on the repository until Ctrl-C")

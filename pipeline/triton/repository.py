@@ -33,12 +33,6 @@ class DeployPlan:
         return self.engines_root / role / "build"
 
 
-def default_tokenizer_dir(config: PipelineConfig) -> str:
-    """The target's tokenizer: its local folder when it is one, else the hub id (AutoTokenizer resolves both)."""
-    local = (config.base_dir / config.target.model)
-    return str(local.resolve()) if local.is_dir() else config.target.model
-
-
 def _engine_keys(plan: DeployPlan) -> dict[str, str]:
     keys = {}
     for role in ("target", "draft"):
@@ -53,6 +47,9 @@ def _engine_keys(plan: DeployPlan) -> dict[str, str]:
 
 def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
            tokenizer_dir: str | None = None) -> StageResult:
+    from ..checks import with_build_limits
+
+    config = with_build_limits(config)  # the manifest records the limits the engines were built with
     plan = DeployPlan.for_config(config, engines_dir)
     if config.backend == "torch":
         inputs = {"engines": _engine_keys(plan), "model_py": sha256_file(torch_repo.MODEL_FILE),
@@ -64,13 +61,13 @@ def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
     else:
         # TensorRT-LLM engines are built on the GPU box; the repository only names their paths, so it can be
         # generated (and checked) anywhere.
-        paths = trtllm_repo.TrtllmPaths(plan.engine_dir("target"), plan.engine_dir("draft"),
-                                        tokenizer_dir or default_tokenizer_dir(config))
-        inputs = {"target_engine": str(paths.target_engine), "draft_engine": str(paths.draft_engine),
-                  "tokenizer_dir": paths.tokenizer_dir, "release": trtllm_repo.TRTLLM_RELEASE}
+        paths = trtllm_repo.TrtllmPaths.for_engines(plan.engine_dir("target"), plan.engine_dir("draft"),
+                                                    tokenizer_dir)
+        vocab = trtllm_repo.EngineVocab.read(paths)
+        inputs = trtllm_repo.stage_inputs(paths, vocab)
 
         def produce(tmp: Path) -> dict:
-            written = trtllm_repo.write_trtllm_repository(tmp, config, paths, plan.repo)
+            written = trtllm_repo.write_trtllm_repository(tmp, config, paths, plan.repo, vocab)
             return {"models": [p.name for p in written],
                     "launch_command": trtllm_repo.launch_command(config, plan.repo,
                                                                   trtllm_repo.DISPLAY_LAUNCHER)}

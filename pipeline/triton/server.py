@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -90,13 +89,6 @@ def server_env(dist: TritonDist, base: dict[str, str] | None = None) -> dict[str
     # The stub imports `pipeline`; model.py also adds pipeline_root itself, this covers tokenizer subprocesses.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now (for tests; a race with other processes is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 def _die_with_parent() -> None:

@@ -63,7 +63,7 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         model.output.append(tensor_out(tname, dtype, dims))
     # KIND_CPU even on a GPU box: the executor places the models itself (runtime.device). One engine instance (a
     # second would load the models again and batch separately); enough proxies to keep the engine's batch full.
-    proxies = max(config.serve.instances, 2 * config.build.max_batch_size)
+    proxies = max(config.serve.instances, config.build.max_batch_size)
     model.instance_group.append(cpu_instances(1 if engine else proxies))
     set_parameters(model, {
         "role": "engine" if engine else "proxy",
