@@ -48,13 +48,16 @@ class _Clock:
         return Sample(self.tokens, time.perf_counter() - self.start, self.ttft, self.itl, steps)
 
 
-def stream_sample(executor, prompt_ids: Sequence[int], max_new_tokens: int, max_draft_len) -> Sample:
-    """Greedy generation on our runtime through generate_stream (one event per target step)."""
+def stream_sample(executor, prompt_ids: Sequence[int], max_new_tokens: int, max_draft_len,
+                  method: str | None = None) -> Sample:
+    """Greedy generation on our runtime through generate_stream (one event per target step); ``method`` picks
+    the proposer (None: the executor's)."""
     clock = _Clock()
     steps: list[tuple[int, int]] = []
     drafted = accepted = 0
+    extra = {"method": method} if method else {}
     for event in executor.generate_stream(list(prompt_ids), max_new_tokens, temperature=0.0,
-                                          max_draft_len=max_draft_len):
+                                          max_draft_len=max_draft_len, **extra):
         clock.arrived(len(event.token_ids))
         # event.stats is the request's running total; the difference is this step.
         steps.append((event.stats.draft_tokens - drafted, event.stats.accepted_tokens - accepted))

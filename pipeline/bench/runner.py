@@ -4,6 +4,8 @@ Methods (all greedy, batch 1):
   target       our runtime with max_draft_len=0: the baseline every speedup is measured against
   speculative  our runtime with K = 1..k_max
   dynamic      our runtime with max_draft_len="auto" (the executor picks K per step), when the executor has it
+  ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
+  ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
   hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
 
@@ -61,6 +63,10 @@ def build_methods(executor, options: BenchOptions, max_new_tokens: int, dynamic:
     if dynamic:
         methods.append(Method("dynamic", "auto",
                               lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
+    k = min(executor.max_draft_len, options.k_max)
+    for proposer in ("ngram", "ngram+draft"):
+        methods.append(Method(proposer, k, lambda ids, p=proposer: stream_sample(executor, ids, max_new_tokens, k,
+                                                                                 method=p)))
     if not options.skip_hf:
         target, draft = executor.target.model, executor.draft.model
         pad = getattr(executor.tokenizer, "pad_token_id", None)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from .limits import check_request
+from .proposers import METHODS
 from .request import DraftLen, SpecRequest, make_generator, parse_draft_len, sampling_params
 from .results import GenerationResult, RequestError, StreamEvent
 from .text import Prompt, TokenizerIO
@@ -29,6 +30,11 @@ class ExecutorBase(TokenizerIO):
 
     @property
     def has_draft(self) -> bool:
+        """Something can propose draft tokens: a draft model, or n-gram lookup."""
+        return self.has_draft_model or self.method == "ngram"
+
+    @property
+    def has_draft_model(self) -> bool:
         raise NotImplementedError
 
     def _run(self, requests: list[SpecRequest]) -> Iterator[tuple[SpecRequest, StreamEvent]]:
@@ -38,14 +44,15 @@ class ExecutorBase(TokenizerIO):
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | Sequence[int] | None = None, max_draft_len: DraftLen = None,
-                 stop_token_ids: Sequence[int] | None = None) -> list[GenerationResult]:
+                 stop_token_ids: Sequence[int] | None = None, method: str | None = None) -> list[GenerationResult]:
         """Generate for each prompt (a string or a list of token ids) as one batch; one result per prompt, in order.
 
         ``max_draft_len``: K for this call (0 = target-only decoding on the same runtime, "auto" = dynamic K that
         follows the observed acceptance, up to the executor's K); None uses the executor's K. ``seed`` seeds each
         prompt's own random stream (one int for every prompt, or one per prompt; None = fresh randomness), so a
         result depends only on its own prompt, parameters and seed: the same prompt and seed give the same tokens
-        whatever else runs in the batch.
+        whatever else runs in the batch. ``method`` overrides the executor's proposer for this call ("draft_model",
+        "ngram" or "ngram+draft"; the draft model ones need a draft model).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts: pass a list of prompts (strings or token-id lists), not a single prompt")
@@ -53,7 +60,8 @@ class ExecutorBase(TokenizerIO):
         if len(seeds) != len(prompts):
             raise RequestError(f"seed: {len(seeds)} seeds for {len(prompts)} prompts; give one per prompt or one int")
         return self.run([self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, one_seed, max_draft_len,
-                                          stop_token_ids, with_text=False) for prompt, one_seed in zip(prompts, seeds)])
+                                          stop_token_ids, with_text=False, method=method)
+                         for prompt, one_seed in zip(prompts, seeds)])
 
     def run(self, requests: Sequence[SpecRequest]) -> list[GenerationResult]:
         """Run requests made by :meth:`new_request` (each with its own parameters, K, seed and stops) as one batch."""
@@ -64,18 +72,25 @@ class ExecutorBase(TokenizerIO):
 
     def generate_stream(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                         top_p: float = 1.0, seed: int | None = None, max_draft_len: DraftLen = None,
-                        stop_token_ids: Sequence[int] | None = None) -> Iterator[StreamEvent]:
+                        stop_token_ids: Sequence[int] | None = None, method: str | None = None
+                        ) -> Iterator[StreamEvent]:
         """Yield tokens as each target step accepts them (one event per step)."""
         request = self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
-                                   stop_token_ids)
+                                   stop_token_ids, method=method)
         for _, event in self._run([request]):
             yield event
 
     def new_request(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int | None = None, max_draft_len: DraftLen = None,
-                    stop_token_ids: Sequence[int] | None = None, with_text: bool = True) -> SpecRequest:
+                    stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
+                    method: str | None = None) -> SpecRequest:
         """A checked request; raises RequestError naming the value and the fix."""
         params = sampling_params(temperature, top_k, top_p)
+        method = method or self.method
+        if method not in METHODS:
+            raise RequestError(f"method: {method!r} is unknown; use one of {', '.join(METHODS)}")
+        if method != "ngram" and not self.has_draft_model:
+            raise RequestError(f"method: {method!r} needs a draft model, and this executor has none; use 'ngram'")
         plan = parse_draft_len(max_draft_len, self.max_draft_len)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise RequestError(f"max_new_tokens: {max_new_tokens!r} must be an int >= 0")
@@ -87,7 +102,7 @@ class ExecutorBase(TokenizerIO):
         request = SpecRequest(ids, max_new_tokens, params, plan, make_generator(seed, self.device),
                               seeded=seed is not None, stop_ids=eos | frozenset(int(t) for t in stop_token_ids or ()),
                               eos_ids=eos, decode=self.decode if with_text else None, seed=seed,
-                              method=self.method)
+                              method=method)
         if max_new_tokens == 0:
             request.finish_reason = "length"
         return request

@@ -62,9 +62,8 @@ class SpeculativeExecutor(ExecutorBase):
             adaptive_k=adaptive_draft_len, compile=compile, ngram=ngram)
 
     @property
-    def has_draft(self) -> bool:
-        """Something can propose draft tokens (a draft model, or n-gram lookup)."""
-        return self.engine.draft is not None or self.method == "ngram"
+    def has_draft_model(self) -> bool:
+        return self.engine.draft is not None
 
     @property
     def target(self):

@@ -23,7 +23,7 @@ import torch
 import time
 
 from .base import ExecutorBase
-from .proposers import DRAFT, NGRAM, NgramSettings, check_method, choose_proposal
+from .proposers import DRAFT, NgramSettings, check_method, choose_proposal
 from .request import SpecRequest
 from .results import StreamEvent, checked_sampling
 
@@ -106,8 +106,8 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         self.draft_len_limit = limits.max_draft_len
 
     @property
-    def has_draft(self) -> bool:
-        return self.draft is not None or self.method == NGRAM
+    def has_draft_model(self) -> bool:
+        return self.draft is not None
 
     @property
     def cost_ratio(self) -> float:
@@ -142,7 +142,7 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
             seed = request.seed if request.seed is not None else int(
                 torch.randint(0, 2 ** 62, (1,), generator=request.generator))
             while not request.finished:
-                k = request.draft_len() if self.has_draft else 0
+                k = request.draft_len()
                 step = request.stats.target_steps
                 if k == 0 and request.plan.k_max == 0:
                     yield request, self._target_only(request, seed)
