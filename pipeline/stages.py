@@ -7,7 +7,6 @@ manifest's input key, so editing the config or the source model invalidates exac
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage
@@ -15,23 +14,10 @@ from .backends import get_backend
 from .checks import CheckReport, check_pair, with_build, with_build_limits
 from .config import PipelineConfig
 from .errors import EngineError
+from .layout import Layout
 from .models import resolve_model, weight_files
 
 ROLES = ("target", "draft")
-
-
-@dataclass
-class Layout:
-    """Where a config's artifacts live."""
-
-    root: Path  # engines/<name>
-
-    @classmethod
-    def for_config(cls, config: PipelineConfig, engines_dir: Path) -> Layout:
-        return cls(engines_dir / config.name)
-
-    def stage_dir(self, role: str, stage: str) -> Path:
-        return self.root / role / stage
 
 
 def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport:

@@ -1,28 +1,72 @@
-"""Read engine folders (engine.json + manifest) and load torch-backend engines as HF models."""
+"""Read engine folders (engine.json + manifest) into typed metadata, and load torch-backend engines as HF models."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
 from ..artifacts import read_manifest
 from ..config import ModelSpec
 from ..errors import EngineError
+from ..layout import Layout
 from ..models import ResolvedModel, load_causal_lm
 
 ENGINE_FILE = "engine.json"  # written by every backend's build beside its engine files
 
 
-def load_engine_model(folder: Path, info: dict):
+@dataclass(frozen=True)
+class EngineInfo:
+    """engine.json: what the executor, `deploy` and `bench` need to know about a built engine (either backend)."""
+
+    backend: str  # "torch" | "trtllm"
+    role: str  # "target" | "draft"
+    config_name: str
+    dtype: str
+    max_batch_size: int
+    max_input_len: int
+    max_seq_len: int
+    max_draft_len: int  # K the engine verifies (0 for a draft)
+    acceptance: str = "rejection"
+    architecture: str | None = None
+    vocab_size: int | None = None
+    # Backend-specific facts (trtllm: tp, pp, trtllm_version, gather_generation_logits, KV-cache settings,
+    # device ids, tokenizer_len), kept as written.
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, data: object, source: Path) -> EngineInfo:
+        if not isinstance(data, dict):
+            raise EngineError(f"{source}: expected a JSON object, got {type(data).__name__}; rebuild with --force")
+        known = {f.name for f in fields(cls)} - {"extra"}
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = [name for name in required if name not in data]
+        if missing:
+            raise EngineError(f"{source}: missing {', '.join(missing)}; the engine folder is incomplete or from "
+                              f"another version, rebuild it with --force")
+        for name in ("max_batch_size", "max_input_len", "max_seq_len", "max_draft_len"):
+            if isinstance(data[name], bool) or not isinstance(data[name], int) or data[name] < 0:
+                raise EngineError(f"{source}: {name}: {data[name]!r} is not a count; rebuild with --force")
+        return cls(**{k: v for k, v in data.items() if k in known},
+                   extra={k: v for k, v in data.items() if k not in known})
+
+    def get(self, key: str, default=None):
+        """A backend-specific fact (``extra``) or a field, by name."""
+        if key in self.extra:
+            return self.extra[key]
+        return getattr(self, key, default)
+
+
+def load_engine_model(folder: Path, info: EngineInfo):
     """Returns (model, ResolvedModel of the folder). The engine folder always holds safetensors weights."""
-    spec = ModelSpec(model=str(folder), dtype=info["dtype"])
-    resolved = ResolvedModel(info["role"], spec, folder, "local", None)
-    return load_causal_lm(resolved, info["dtype"]), resolved
+    spec = ModelSpec(model=str(folder), dtype=info.dtype)
+    resolved = ResolvedModel(info.role, spec, folder, "local", None)
+    return load_causal_lm(resolved, info.dtype), resolved
 
 
-def read_engine_info(root: Path, role: str) -> dict:
+def read_engine(root: Path, role: str) -> EngineInfo:
     """engine.json of engines/<name>/<role>/build, which must be a completed stage (either backend)."""
-    folder = root / role / "build"
+    folder = Layout(Path(root)).engine_dir(role)
     manifest = read_manifest(folder) if folder.exists() else None
     if manifest is None:
         raise EngineError(f"{folder}: no completed engine; run `python -m pipeline build CONFIG` (or `make "
@@ -30,4 +74,16 @@ def read_engine_info(root: Path, role: str) -> dict:
     engine_file = folder / ENGINE_FILE
     if not engine_file.is_file():
         raise EngineError(f"{engine_file}: missing; the engine folder is incomplete, rebuild it with --force")
-    return json.loads(engine_file.read_text())
+    try:
+        data = json.loads(engine_file.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise EngineError(f"{engine_file}: not valid JSON ({exc}); rebuild with --force") from None
+    return EngineInfo.from_dict(data, engine_file)
+
+
+def read_engine_info(root: Path, role: str) -> dict:
+    """engine.json as a plain dict (for code that still reads keys; prefer read_engine)."""
+    info = read_engine(root, role)
+    data = {f.name: getattr(info, f.name) for f in fields(info) if f.name != "extra"}
+    data.update(info.extra)
+    return data

@@ -15,7 +15,8 @@ import torch
 from ..errors import EngineError
 from .base import ExecutorBase
 from .engine import SpeculativeEngine
-from .loading import load_engine_model, read_engine_info
+from ..layout import Layout
+from .loading import load_engine_model, read_engine
 from .proposers import NgramSettings, check_method
 from .request import SpecRequest
 from .results import RequestError, StreamEvent
@@ -103,29 +104,36 @@ class SpeculativeExecutor(ExecutorBase):
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,
-                     adaptive_draft_len: bool = False):
-        """Load the engines built for one config: ``engines/<name>`` (holding target/build and draft/build)."""
-        root = Path(path)
-        engines = {role: read_engine_info(root, role) for role in ("target", "draft")}
-        if {e["backend"] for e in engines.values()} == {"trtllm"}:
-            from ..backends.trtllm import TrtllmSpeculativeExecutor
+                     adaptive_draft_len: bool = False, method: str = "draft_model",
+                     ngram: NgramSettings | None = None):
+        """Load the engines built for one config: ``engines/<name>`` (holding target/build and draft/build; with
+        ``method="ngram"`` only the target is needed)."""
+        layout = Layout(Path(path))
+        target_info = read_engine(layout.root, "target")
+        if target_info.backend == "trtllm":
+            from .trtllm_executor import TrtllmSpeculativeExecutor
 
-            return TrtllmSpeculativeExecutor.from_engines(root)
-        target_info, draft_info = engines["target"], engines["draft"]
-        if target_info["config_name"] != draft_info["config_name"]:
-            raise EngineError(f"{root}: target engine was built for config {target_info['config_name']!r} but the "
-                              f"draft for {draft_info['config_name']!r}; rebuild both with one config")
+            return TrtllmSpeculativeExecutor.from_engines(layout.root, method=method, ngram=ngram)
+        draft_model = None
+        if method != "ngram":
+            if not layout.engine_dir("draft").exists():
+                raise EngineError(f"{layout.engine_dir('draft')}: no draft engine, and method {method!r} needs one; "
+                                  f"build it (speculative.method: draft_model or ngram+draft) or use method 'ngram'")
+            draft_info = read_engine(layout.root, "draft")
+            if target_info.config_name != draft_info.config_name:
+                raise EngineError(f"{layout.root}: target engine was built for config {target_info.config_name!r} "
+                                  f"but the draft for {draft_info.config_name!r}; rebuild both with one config")
+            draft_model, _ = load_engine_model(layout.engine_dir("draft"), draft_info)
         from ..models import load_tokenizer
 
         device = device or _auto_device()
-        target_model, target_spec = load_engine_model(root / "target" / "build", target_info)
-        draft_model, _ = load_engine_model(root / "draft" / "build", draft_info)
-        return cls(target_model.to(device), draft_model.to(device), load_tokenizer(target_spec),
-                   max_draft_len=target_info["max_draft_len"], device=device,
-                   acceptance=target_info.get("acceptance", "rejection"), max_seq_len=target_info["max_seq_len"],
-                   max_input_len=target_info["max_input_len"], draft_len_limit=target_info["max_draft_len"],
-                   max_batch_size=target_info.get("max_batch_size", DEFAULT_MAX_BATCH),
-                   adaptive_draft_len=adaptive_draft_len, compile=compile)
+        target_model, target_spec = load_engine_model(layout.engine_dir("target"), target_info)
+        return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None,
+                   load_tokenizer(target_spec), max_draft_len=target_info.max_draft_len, device=device,
+                   acceptance=target_info.acceptance, max_seq_len=target_info.max_seq_len,
+                   max_input_len=target_info.max_input_len, draft_len_limit=target_info.max_draft_len,
+                   max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
+                   compile=compile, method=method, ngram=ngram)
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
 

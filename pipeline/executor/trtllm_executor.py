@@ -124,7 +124,8 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
 
     @classmethod
     def from_engines(cls, root, target_device_ids: list[int] | None = None,
-                     draft_device_ids: list[int] | None = None) -> TrtllmSpeculativeExecutor:
+                     draft_device_ids: list[int] | None = None, method: str = "draft_model",
+                     ngram: NgramSettings | None = None) -> TrtllmSpeculativeExecutor:
         """Load engines/<name> built by the trtllm backend (target/build and draft/build).
 
         GPUs default to runtime.target_device_ids / runtime.draft_device_ids as recorded in engine.json at build
@@ -132,7 +133,11 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         """
         from ..backends.trtllm_loading import load_executor
 
-        return load_executor(cls, root, target_device_ids, draft_device_ids)
+        executor = load_executor(cls, root, target_device_ids, draft_device_ids)
+        if method != executor.method or ngram is not None:
+            check_method(method, executor.draft is not None)
+            executor.method, executor.ngram = method, ngram or executor.ngram
+        return executor
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
 
