@@ -19,7 +19,8 @@
 #            across a near tie is bf16 rounding); prints speedup and acceptance.
 # Knobs:  SMOKE_DIR (work folder, default /tmp/specpipe-smoke), SMOKE_TOKENS (new tokens per prompt, default 128),
 #         SMOKE_K (draft length, default 4), SMOKE_MARGIN (logit threshold, default 0.5). Needs network for the
-#         model download on the first run, and pytest (`pip install pytest` in the container).
+#         model download on the first run, and pytest and tritonclient (`pip install pytest 'tritonclient[grpc]'`
+#         in the container; the tests and `deploy` build config.pbtxt files with tritonclient's protobuf classes).
 # Status: written against TensorRT-LLM 1.1.0's API; NOT yet run by us on any GPU (see docs/gpu.md).
 set -euo pipefail
 
@@ -53,7 +54,8 @@ print(f"tensorrt_llm {tensorrt_llm.__version__} (pinned {PINNED_VERSION}), torch
       f"GPU {torch.cuda.get_device_name(0)}")
 EOF
 command -v trtllm-build >/dev/null || { echo "FAIL: trtllm-build not on PATH"; exit 1; }
-python3 -c "import pytest" 2>/dev/null || { echo "FAIL: pytest is missing; pip install pytest, then rerun"; exit 1; }
+python3 -c "import pytest, tritonclient.grpc" 2>/dev/null || {
+  echo "FAIL: pytest or tritonclient is missing; pip install pytest 'tritonclient[grpc]', then rerun"; exit 1; }
 # -m gpu selects only the checks against the installed release; a skip there means a missing piece, so fail on it.
 python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_trtllm_contract.py tests/test_trtllm_templates.py \
   | tee "$SMOKE_DIR/contract.log"

@@ -268,7 +268,8 @@ def test_extraction_script_reads_options_choices_and_plugin_fields(tmp_path):
         "    use_paged_context_fmha: bool = Field(default=True, description='p')\n"
         "    tokens_per_block: int = Field(default=32, description='t')\n"
         "    manage_weights: bool = Field(default=False, description='not on the CLI')\n"
-        "cli_plugin_args = ['gemm_plugin', 'nccl_plugin', 'lora_plugin', 'use_paged_context_fmha', 'tokens_per_block']\n")
+        "cli_plugin_args = ['gemm_plugin', 'nccl_plugin', 'lora_plugin', 'use_paged_context_fmha',\n"
+        "                   'tokens_per_block']\n")
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "extract_trtllm_build_options.py"), str(build_py),
                           str(plugin_py), "--provenance", "commit=abc"], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout)
