@@ -158,22 +158,28 @@ def test_deploy_is_atomic_and_up_to_date(trtllm_repo_dir):
     assert not [p for p in repo.parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
 
 
-def test_torch_model_configs(tmp_path):
-    config = parse_config(tiny_config_dict(tmp_path, serve={"instances": 2, "max_queue_delay_us": 50}))
-    for name, decoupled in (("speculative", False), ("speculative_stream", True)):
-        model = parse(to_text(torch_repo.model_config(config, name, decoupled, tmp_path / "engines" / "x")))
+@pytest.mark.parametrize("instances, proxies", [(2, 4), (6, 6)])
+def test_torch_model_configs(tmp_path, instances, proxies):
+    config = parse_config(tiny_config_dict(tmp_path, serve={"instances": instances, "max_queue_delay_us": 50}))
+    for name, engine in (("speculative", False), ("speculative_stream", True)):
+        model = parse(to_text(torch_repo.model_config(config, name, engine, tmp_path / "engines" / "x")))
         assert model.backend == "python" and model.max_batch_size == 4
-        assert model.model_transaction_policy.decoupled is decoupled
-        assert model.instance_group[0].count == 2
+        assert model.model_transaction_policy.decoupled is engine
+        # one engine instance (the models load once and batch together); proxies enough to fill its batch
+        assert model.instance_group[0].count == (1 if engine else proxies)
         assert model.dynamic_batching.max_queue_delay_microseconds == 50
         inputs, outputs = _tensors(model, "input"), _tensors(model, "output")
-        assert not inputs["max_tokens"].optional and inputs["text_input"].optional and inputs["input_ids"].optional
+        # the engine model also takes cancel-only requests, so it checks max_tokens itself
+        assert inputs["max_tokens"].optional is engine
+        assert inputs["text_input"].optional and inputs["input_ids"].optional
+        assert ("request_key" in inputs and "cancel_request" in inputs) is engine
         assert inputs["seed"].data_type == mc.TYPE_UINT64
         for stat in ("draft_tokens", "accepted_tokens", "target_steps", "acceptance_rate", "mean_accepted_len"):
             assert stat in outputs
         p = params(model)
         assert Path(p["engines_dir"]).is_absolute() and (Path(p["pipeline_root"]) / "pipeline").is_dir()
-        assert p["device"] == "cpu"
+        assert p["device"] == "cpu" and p["role"] == ("engine" if engine else "proxy")
+        assert p["engine_model"] == "speculative_stream"
 
 
 def test_torch_deploy_needs_built_engines(tmp_path):

@@ -18,7 +18,7 @@ from pipeline.backends import trtllm
 from pipeline.backends.trtllm_api import INSTALL_HINT, PINNED_VERSION, TRITON_CONTAINER, require_cuda_gpu
 from pipeline.backends.trtllm_loading import check_pair
 from pipeline.backends.trtllm_preflight import preflight, read_engine_config
-from pipeline.backends.trtllm_runtime import EngineLimits, EngineOutput, TrtllmSpeculativeExecutor
+from pipeline.executor.trtllm_executor import EngineLimits, EngineOutput, TrtllmSpeculativeExecutor
 from pipeline.config import load_config
 from pipeline.errors import BackendUnavailable, ConfigError, EngineError
 from pipeline.executor.results import RequestError

@@ -24,7 +24,7 @@ import yaml
 
 from conftest import REPO, run_cli
 from pipeline.backends.trtllm_api import PINNED_VERSION, build_argv, convert_calls
-from pipeline.backends.trtllm_runtime import Sampling
+from pipeline.executor.trtllm_executor import Sampling
 from pipeline.checks import TRTLLM_ARCHITECTURES
 from pipeline.config import load_config, parse_config
 
@@ -129,8 +129,10 @@ def test_every_argv_parses_against_pinned_trtllm_build(config_path, tp, variant)
         assert args.use_paged_context_fmha == "enable" and args.context_fmha == "enable"
         assert args.gemm_plugin == getattr(config, role).dtype
         assert args.kv_cache_type == "PAGED" and args.tokens_per_block == config.build.kv_cache.tokens_per_block
+        # the loop re-submits prompt + generated tokens as the context every step: the engine must take contexts
+        # up to max_seq_len - 1, not only prompts up to build.max_input_len
         assert (args.max_batch_size, args.max_input_len, args.max_seq_len) == (
-            config.build.max_batch_size, config.build.max_input_len, config.build.max_seq_len)
+            config.build.max_batch_size, config.build.max_seq_len - 1, config.build.max_seq_len)
         # build.py raises on gather_context_logits with max_draft_len > 0; we never pass it.
         assert not args.gather_context_logits and not args.gather_all_token_logits
         assert args.gather_generation_logits == (config.speculative.acceptance == "rejection")
@@ -228,13 +230,14 @@ def test_model_runner_calls_bind_to_the_recorded_signatures(monkeypatch, tmp_pat
     from pipeline.backends.trtllm_loading import ModelRunnerEngine
 
     RecordingModelRunnerCpp.calls = []
-    engine = ModelRunnerEngine(tmp_path, [0], 0.17, True, True, 2, 2)
+    engine = ModelRunnerEngine(tmp_path, [0], 0.17, True, True, 2, 2, 8191)
     out = engine.generate([5, 6], 3, Sampling(0.7, 20, 0.9, 11), draft_tokens=[1, 2], draft_logits=torch.zeros(2, 64),
                           want_logits=True)
     assert out.token_ids == [0, 1, 2] and out.logits.shape == (3, 64)
     engine.generate([5, 6], 2, Sampling())
     (_, from_dir), (_, spec), (_, greedy) = RecordingModelRunnerCpp.calls
     assert from_dir["kv_cache_free_gpu_memory_fraction"] == 0.17 and from_dir["is_orchestrator_mode"]
+    assert from_dir["max_input_len"] == 8191  # contexts grow past the prompt limit: prompt + generated
     assert spec["draft_tokens_list"] == [[1, 2]] and spec["random_seed"] == 11 and spec["top_k"] == 20
     assert greedy["top_k"] == 1 and "draft_tokens_list" not in greedy
     with pytest.raises(TypeError):  # the check is real: a misspelt keyword does not bind

@@ -1,10 +1,10 @@
-"""The TensorRT-LLM backend (pinned release 1.1.0, what tritonserver:25.12-trtllm-python-py3 ships): converter API -> checkpoint, `trtllm-build` -> engine, and the
-draft-target executor over two engines.
+"""The TensorRT-LLM backend (pinned release 1.1.0, what tritonserver:25.12-trtllm-python-py3 ships): converter
+API -> checkpoint, `trtllm-build` -> engine.
 
 tensorrt_llm is imported lazily: planning (`build --dry-run`) works anywhere, and every step that needs
 TensorRT-LLM or a GPU raises BackendUnavailable with one line saying what is missing and how to get it.
-Helpers live in trtllm_api (pinned facts, argv), trtllm_preflight (engine checks), trtllm_runtime (the loop)
-and trtllm_loading (ModelRunnerCpp).
+Helpers live in trtllm_api (pinned facts, argv), trtllm_preflight (engine checks) and trtllm_loading (the engine
+runner over ModelRunnerCpp); the draft-target loop is pipeline.executor.trtllm_executor, shared contract and all.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .trtllm_api import (PINNED_VERSION, TOKENIZER_DIR, build_argv, convert_call
 from ..executor.loading import ENGINE_FILE
 from .trtllm_preflight import (check_context_logits, check_target_spec_mode, raise_if_problems,
                                read_engine_config)
-from .trtllm_runtime import TrtllmSpeculativeExecutor
+from ..executor.trtllm_executor import TrtllmSpeculativeExecutor
 
 __all__ = ["convert_plan", "convert", "build_plan", "build", "engine_info", "TrtllmSpeculativeExecutor",
            "PINNED_VERSION"]

@@ -122,7 +122,7 @@ def build_argv(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir:
         "--context_fmha", "enable",
         "--use_paged_context_fmha", "enable",
         "--max_batch_size", str(build.max_batch_size),
-        "--max_input_len", str(build.max_input_len),
+        "--max_input_len", str(engine_context_len(config)),
         "--max_seq_len", str(build.max_seq_len),
     ]
     if role == "target":
@@ -135,6 +135,13 @@ def build_argv(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir:
         argv.append("--gather_generation_logits")
     # Never --gather_context_logits: build.py raises when it is combined with --max_draft_len > 0.
     return argv
+
+
+def engine_context_len(config: PipelineConfig) -> int:
+    """The longest context either engine is handed: the draft-target loop submits the whole sequence so far
+    (prompt + generated) as a new request every step, so contexts grow to max_seq_len - 1 even though a user's
+    prompt is limited to build.max_input_len (which the executor enforces, from engine.json)."""
+    return config.build.max_seq_len - 1
 
 
 def format_argv(argv: list[str]) -> str:

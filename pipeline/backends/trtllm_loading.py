@@ -12,7 +12,7 @@ from ..executor.loading import read_engine_info
 from ..errors import EngineError
 from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, require_cuda_gpu
 from .trtllm_preflight import preflight, raise_if_problems, read_engine_config
-from .trtllm_runtime import EngineLimits, EngineOutput, Sampling
+from ..executor.trtllm_executor import EngineLimits, EngineOutput, Sampling
 
 __all__ = ["TOKENIZER_DIR", "check_pair", "load_executor", "ModelRunnerEngine"]
 
@@ -53,10 +53,12 @@ def load_executor(cls, root, target_device_ids: list[int] | None = None,
     target_kv, draft_kv = kv_cache_fractions(target_info["kv_cache_free_gpu_mem_fraction"], target_ids, draft_ids)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    # Every step re-submits the sequence so far: allow contexts up to max_seq_len - 1, as the engines were built.
+    context_len = target_info["max_seq_len"] - 1
     draft = ModelRunnerEngine(root / "draft" / "build", draft_ids, draft_kv, target_info["enable_block_reuse"],
-                              rejection, eos, pad)
+                              rejection, eos, pad, context_len)
     target = ModelRunnerEngine(root / "target" / "build", target_ids, target_kv, target_info["enable_block_reuse"],
-                               rejection, eos, pad)
+                               rejection, eos, pad, context_len)
     limits = EngineLimits(target_info["max_input_len"], target_info["max_seq_len"], target_info["max_draft_len"])
     return cls(target, draft, tokenizer, limits, target_info["max_draft_len"], target_info["acceptance"],
                eos_token_ids=[eos] if eos is not None else [])
@@ -66,7 +68,8 @@ class ModelRunnerEngine:
     """EngineRunner over tensorrt_llm.runtime.ModelRunnerCpp (the pinned release's C++ executor wrapper)."""
 
     def __init__(self, engine_dir: Path, device_ids: list[int], kv_fraction: float, block_reuse: bool,
-                 gather_generation_logits: bool, end_id: int | None, pad_id: int | None):
+                 gather_generation_logits: bool, end_id: int | None, pad_id: int | None,
+                 max_context_len: int | None = None):
         from tensorrt_llm.runtime import ModelRunnerCpp
 
         # Orchestrator mode spawns the executor's worker processes on device_ids, so a TP=4 target and a TP=1
@@ -74,7 +77,7 @@ class ModelRunnerEngine:
         self.runner = ModelRunnerCpp.from_dir(
             engine_dir=str(engine_dir), device_ids=list(device_ids), is_orchestrator_mode=True,
             kv_cache_free_gpu_memory_fraction=kv_fraction, kv_cache_enable_block_reuse=block_reuse,
-            gather_generation_logits=gather_generation_logits)
+            gather_generation_logits=gather_generation_logits, max_input_len=max_context_len)
         self.vocab_size = int(self.runner.vocab_size_padded)
         self.end_id, self.pad_id = end_id, pad_id
 
