@@ -167,9 +167,9 @@ def test_check_pair_over_an_engines_folder(tmp_path):
         check_pair(tmp_path, PINNED_VERSION)
     assert str(err.value).count("version is '1.0.0'") == 2 and "\n" not in str(err.value)
     target, draft = check_pair(tmp_path, "1.0.0")
-    assert target["backend"] == draft["backend"] == "trtllm" and target["max_draft_len"] == 4
-    assert set(target) >= {"backend", "role", "config_name", "dtype", "max_batch_size", "max_input_len",
-                           "max_seq_len", "max_draft_len", "acceptance", "tp", "pp", "trtllm_version"}
+    assert target.backend == draft.backend == "trtllm" and target.max_draft_len == 4 and draft.max_draft_len == 0
+    assert (target.role, draft.role) == ("target", "draft")
+    assert set(target.extra) >= {"tp", "pp", "trtllm_version", "kv_cache_free_gpu_mem_fraction", "target_device_ids"}
 
 
 # ---- the executor loop against a fake runtime -------------------------------------------------------------------------

@@ -8,59 +8,61 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ..executor.loading import read_engine_info
 from ..errors import EngineError
+from ..executor.loading import EngineInfo, read_engine
+from ..executor.trtllm_executor import EngineLimits, EngineOutput, Sampling
+from ..layout import Layout
 from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, require_cuda_gpu
 from .trtllm_preflight import preflight, raise_if_problems, read_engine_config
-from ..executor.trtllm_executor import EngineLimits, EngineOutput, Sampling
 
 __all__ = ["TOKENIZER_DIR", "check_pair", "load_executor", "ModelRunnerEngine"]
 
 
 def check_pair(root: Path, installed_version: str | None, target_device_ids: list[int] | None = None,
-               draft_device_ids: list[int] | None = None) -> tuple[dict, dict]:
+               draft_device_ids: list[int] | None = None) -> tuple[EngineInfo, EngineInfo]:
     """engine.json of target and draft after every pre-flight check passed (raises EngineError otherwise)."""
-    root = Path(root)
-    info = {role: read_engine_info(root, role) for role in ("target", "draft")}
-    if info["target"]["config_name"] != info["draft"]["config_name"]:
-        raise EngineError(f"{root}: target engine was built for config {info['target']['config_name']!r} but the "
-                          f"draft for {info['draft']['config_name']!r}; rebuild both with one config")
-    target_cfg = read_engine_config(root / "target" / "build")
-    draft_cfg = read_engine_config(root / "draft" / "build")
-    t = info["target"]
+    layout = Layout(Path(root))
+    target, draft = read_engine(layout.root, "target"), read_engine(layout.root, "draft")
+    if target.config_name != draft.config_name:
+        raise EngineError(f"{layout.root}: target engine was built for config {target.config_name!r} but the "
+                          f"draft for {draft.config_name!r}; rebuild both with one config")
+    target_cfg = read_engine_config(layout.engine_dir("target"))
+    draft_cfg = read_engine_config(layout.engine_dir("draft"))
     raise_if_problems(preflight(
-        target_cfg, draft_cfg, max_draft_len=t["max_draft_len"], acceptance=t["acceptance"],
-        installed_version=installed_version, tokenizer_len=t.get("tokenizer_len"),
-        target_device_ids=target_device_ids or t.get("target_device_ids"),
-        draft_device_ids=draft_device_ids or t.get("draft_device_ids")))
-    return info["target"], info["draft"]
+        target_cfg, draft_cfg, max_draft_len=target.max_draft_len, acceptance=target.acceptance,
+        installed_version=installed_version, tokenizer_len=target.get("tokenizer_len"),
+        target_device_ids=target_device_ids or target.get("target_device_ids"),
+        draft_device_ids=draft_device_ids or target.get("draft_device_ids")))
+    return target, draft
 
 
 def load_executor(cls, root, target_device_ids: list[int] | None = None,
                   draft_device_ids: list[int] | None = None) -> Any:
     """The executor on the engines under ``root``; device ids default to the runtime.* recorded at build time."""
-    root = Path(root)
+    layout = Layout(Path(root))
     trtllm = import_tensorrt_llm("running TensorRT-LLM engines")
     require_cuda_gpu("running TensorRT-LLM engines")
-    target_info, _ = check_pair(root, trtllm.__version__, target_device_ids, draft_device_ids)
+    target_info, _ = check_pair(layout.root, trtllm.__version__, target_device_ids, draft_device_ids)
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(root / "target" / "build" / TOKENIZER_DIR)
-    rejection = target_info["acceptance"] == "rejection"
-    target_ids = target_device_ids or target_info["target_device_ids"]
-    draft_ids = draft_device_ids or target_info["draft_device_ids"]
+    tokenizer = AutoTokenizer.from_pretrained(layout.engine_dir("target") / TOKENIZER_DIR)
+    rejection = target_info.acceptance == "rejection"
+    target_ids = target_device_ids or target_info.get("target_device_ids")
+    draft_ids = draft_device_ids or target_info.get("draft_device_ids")
     # On a shared GPU the two fractions sum to the configured one (the same split the Triton repository uses).
-    target_kv, draft_kv = kv_cache_fractions(target_info["kv_cache_free_gpu_mem_fraction"], target_ids, draft_ids)
+    target_kv, draft_kv = kv_cache_fractions(target_info.get("kv_cache_free_gpu_mem_fraction"), target_ids,
+                                             draft_ids)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
+    reuse = target_info.get("enable_block_reuse")
     # Every step re-submits the sequence so far: allow contexts up to max_seq_len - 1, as the engines were built.
-    context_len = target_info["max_seq_len"] - 1
-    draft = ModelRunnerEngine(root / "draft" / "build", draft_ids, draft_kv, target_info["enable_block_reuse"],
-                              rejection, eos, pad, context_len)
-    target = ModelRunnerEngine(root / "target" / "build", target_ids, target_kv, target_info["enable_block_reuse"],
-                               rejection, eos, pad, context_len)
-    limits = EngineLimits(target_info["max_input_len"], target_info["max_seq_len"], target_info["max_draft_len"])
-    return cls(target, draft, tokenizer, limits, target_info["max_draft_len"], target_info["acceptance"],
+    context_len = target_info.max_seq_len - 1
+    draft = ModelRunnerEngine(layout.engine_dir("draft"), draft_ids, draft_kv, reuse, rejection, eos, pad,
+                              context_len)
+    target = ModelRunnerEngine(layout.engine_dir("target"), target_ids, target_kv, reuse, rejection, eos, pad,
+                               context_len)
+    limits = EngineLimits(target_info.max_input_len, target_info.max_seq_len, target_info.max_draft_len)
+    return cls(target, draft, tokenizer, limits, target_info.max_draft_len, target_info.acceptance,
                eos_token_ids=[eos] if eos is not None else [])
 
 

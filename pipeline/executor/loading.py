@@ -79,11 +79,3 @@ def read_engine(root: Path, role: str) -> EngineInfo:
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineError(f"{engine_file}: not valid JSON ({exc}); rebuild with --force") from None
     return EngineInfo.from_dict(data, engine_file)
-
-
-def read_engine_info(root: Path, role: str) -> dict:
-    """engine.json as a plain dict (for code that still reads keys; prefer read_engine)."""
-    info = read_engine(root, role)
-    data = {f.name: getattr(info, f.name) for f in fields(info) if f.name != "extra"}
-    data.update(info.extra)
-    return data
