@@ -60,8 +60,11 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, capsy
                                                             abs=2e-3)
         assert 0.0 <= record["acceptance_rate"] <= 1.0
         assert 1.0 <= record["mean_accepted_len"] <= k + 1
-    # dynamic K is measured when the executor supports max_draft_len="auto", and skipped with a note otherwise
-    assert ("dynamic" in by_method) != ("dynamic_skipped" in data["notes"])
+    # The torch executor supports max_draft_len="auto": dynamic K must be measured, not skipped with a note.
+    assert "dynamic_skipped" not in data["notes"], data["notes"]
+    (dynamic,) = by_method["dynamic"]
+    assert dynamic["k"] == "auto" and 1.0 <= dynamic["mean_accepted_len"] <= 4 + 1
+    assert 0 < dynamic["mean_draft_len"] <= 4  # within the engines' K
     png = out / "results.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -110,3 +113,29 @@ def test_prompt_sets_are_deterministic_and_nonempty():
         assert first == again and len(first) == 3 and all(p.strip() for p in first)
     assert load_prompt_set("code", 2)[0].rstrip().endswith(":")  # ends on a def line
     assert load_prompt_set("json", 1)[0].endswith('"name": "')
+
+
+def test_bench_runs_on_the_trtllm_executor_over_a_fake_engine(tiny_pair):
+    """`bench` on a trtllm config used to crash (the executor lacked the limits the bench reads); here it runs on
+    the TensorRT-LLM executor over FAKE engines (tests/fake_trtllm.py): call-level cost terms, no HF baselines."""
+    import torch
+    from fake_trtllm import FakeTrtllmEngine
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pipeline.bench.runner import BenchOptions, run_bench
+    from pipeline.executor.trtllm_executor import EngineLimits, TrtllmSpeculativeExecutor
+
+    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(tiny_pair / "draft", dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tiny_pair / "target")
+    ex = TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), FakeTrtllmEngine(draft), tok, EngineLimits(64, 128, 2),
+                                   max_draft_len=2, acceptance="greedy")
+    notes_seen = []
+    options = BenchOptions(prompt_sets=["code"], max_new_tokens=4, num_prompts=1, k_max=2, repeats=1,
+                           cost_repeats=2)
+    records, costs, notes = run_bench(ex, {"code": ["def main(x, y):\n    return x + y\n"]}, options,
+                                      note=notes_seen.append)
+    assert "hf_skipped" in notes and any("Hugging Face baselines skipped" in n for n in notes_seen)
+    methods = {(r["method"], r["k"]) for r in records}
+    assert {("target", 0), ("speculative", 1), ("speculative", 2), ("ngram", 2), ("ngram+draft", 2)} <= methods
+    assert costs.target_ms > 0 and costs.draft_ms > 0 and len(costs.verify_ms) == 2

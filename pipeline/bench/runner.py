@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .measure import Sample, hf_sample, stream_sample
 from .records import finish_records, make_record
-from .timing import CostTerms, measure_costs
+from .timing import CostTerms, measure_call_costs, measure_costs
 
 
 @dataclass
@@ -106,11 +106,17 @@ def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions
     if reason is not None:
         note(f"note: dynamic K skipped: generate(max_draft_len='auto') raised {reason}")
         notes["dynamic_skipped"] = reason
+    torch_runtime = hasattr(executor, "engine")  # the TensorRT-LLM executor has engines, not torch models
+    if not torch_runtime and not options.skip_hf:
+        note("note: Hugging Face baselines skipped: they need the torch models, and these are TensorRT-LLM engines")
+        notes["hf_skipped"] = "engines are not torch models"
+        options.skip_hf = True
     methods = build_methods(executor, options, options.max_new_tokens, reason is None)
     # Warm-up: first calls pay one-off allocation and dispatch costs nobody should be billed for.
     for method in methods:
         method.run(first[:16])
-    costs = measure_costs(executor.target, executor.draft, first, options.k_max, repeats=options.cost_repeats)
+    measure = measure_costs if torch_runtime else measure_call_costs
+    costs = measure(executor.target, executor.draft, first, options.k_max, repeats=options.cost_repeats)
 
     samples: dict[tuple[str, str, int | str], list[list[Sample]]] = {}
     total = options.repeats * len(methods) * sum(len(v) for v in fitted.values())

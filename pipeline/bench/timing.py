@@ -94,3 +94,44 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
     ms = lambda xs: statistics.median(xs) * 1000.0  # noqa: E731
     return CostTerms(target_ms=ms(single["target"]), draft_ms=ms(single["draft"]),
                      verify_ms=[ms(v) for v in verify], context_tokens=len(context), repeats=repeats)
+
+
+def measure_call_costs(target, draft, context: Sequence[int], k_max: int, repeats: int = 15, warmup: int = 3
+                       ) -> CostTerms:
+    """The same cost terms for engines behind the EngineRunner boundary (TensorRT-LLM): time whole engine calls.
+
+    One call of ``generate(context, 1)`` is what the draft-target loop pays per single-token forward there (the
+    request set-up included; KV-cache block reuse makes the repeated context cheap), and a verify call is the
+    target handed K draft tokens (the context's own, so the comparison work is real).
+    """
+    from ..executor.trtllm_executor import Sampling
+
+    if k_max < 1:
+        raise ValueError(f"k_max: {k_max} must be >= 1")
+    context = list(context)
+    if len(context) < k_max + 2:
+        raise ValueError(f"context: {len(context)} tokens; need at least k_max + 2 = {k_max + 2}")
+    head, greedy = context[:-k_max - 1], Sampling()
+
+    def timed(call) -> float:
+        start = time.perf_counter()
+        call()
+        return time.perf_counter() - start
+
+    single = {"target": [], "draft": []}
+    verify: list[list[float]] = [[] for _ in range(k_max)]
+    for rep in range(warmup + repeats):
+        t = timed(lambda: target.generate(head, 1, greedy))
+        d = timed(lambda: draft.generate(head, 1, greedy))
+        widths = [timed(lambda k=k: target.generate(head, k + 1, greedy, draft_tokens=context[len(head):][:k]))
+                  for k in range(1, k_max + 1)]
+        if rep < warmup:
+            continue
+        single["target"].append(t)
+        single["draft"].append(d)
+        for k, value in enumerate(widths):
+            verify[k].append(value)
+    ms = lambda xs: statistics.median(xs) * 1000.0  # noqa: E731
+    return CostTerms(target_ms=ms(single["target"]), draft_ms=ms(single["draft"]),
+                     verify_ms=[ms(v) for v in verify], context_tokens=len(head), repeats=repeats)
+
