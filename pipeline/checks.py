@@ -77,7 +77,7 @@ def with_build_limits(config: PipelineConfig) -> PipelineConfig:
     if config.build.max_seq_len is not None and config.build.max_input_len is not None:
         return config
     limits = {}
-    for role in ("target", "draft"):
+    for role in config.roles:
         model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=False)
         limits[role] = max_positions(read_hf_config(model))
     return with_build(config, resolve_build_limits(config.build, limits)[0])
@@ -138,7 +138,7 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     """
     report = CheckReport()
     models, hf_configs = {}, {}
-    for role in ("target", "draft"):
+    for role in config.roles:  # the draft only when the method uses a draft model
         spec = getattr(config, role)
         models[role] = resolve_model(spec, role, config.base_dir, with_weights=with_weights)
         hf_configs[role] = read_hf_config(models[role])
@@ -146,19 +146,23 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
             validate_weights(models[role])
         _check_architecture(models[role], hf_configs[role], config.backend, report)
 
-    tokenizer_problems = compare_tokenizers(load_tokenizer(models["target"]), load_tokenizer(models["draft"]))
+    if "draft" not in models:
+        report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
+    tokenizer_problems = compare_tokenizers(load_tokenizer(models["target"]), load_tokenizer(models["draft"])) \
+        if "draft" in models else []
     if tokenizer_problems:
         report.errors.append("draft.model: tokenizer differs from target (" + "; ".join(tokenizer_problems)
                              + "); pick a draft from the same model family")
-    else:
+    elif "draft" in models:
         report.ok.append("tokenizers identical")
     t_vocab = (hf_configs["target"].get("text_config") or hf_configs["target"]).get("vocab_size")
-    d_vocab = (hf_configs["draft"].get("text_config") or hf_configs["draft"]).get("vocab_size")
+    d_vocab = (hf_configs["draft"].get("text_config") or hf_configs["draft"]).get("vocab_size") \
+        if "draft" in models else t_vocab
     if t_vocab != d_vocab and not tokenizer_problems:
         report.warnings.append(f"embedding rows differ (target {t_vocab}, draft {d_vocab}) although the tokenizers "
                                f"match; only the shared ids are compared")
 
-    limits = {role: max_positions(hf_configs[role]) for role in ("target", "draft")}
+    limits = {role: max_positions(hf_configs[role]) for role in config.roles}
     build, report.defaults = resolve_build_limits(config.build, limits)
     report.build = build
     for role, limit in limits.items():

@@ -70,7 +70,7 @@ def cmd_build(args) -> int:
 
         backend = get_backend(config.backend)
         layout = Layout.for_config(config, args.engines_dir)
-        for role in ("target", "draft"):
+        for role in config.roles:
             plan = getattr(backend, "convert_plan", None)
             if plan is not None:
                 for line in plan(config, role, layout.stage_dir(role, "convert")):

@@ -52,7 +52,29 @@ class ModelSpec(_Section):
         return value
 
 
+class NgramSpec(_Section):
+    """N-gram (prompt-lookup) proposals: the tokens that followed the latest earlier occurrence of the sequence's
+    longest recurring suffix."""
+
+    min_match: int = Field(1, ge=1, description="Shortest suffix (tokens) that may be looked up.")
+    max_match: int = Field(4, ge=1, description="Longest suffix tried first (a longer match predicts better).")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> NgramSpec:
+        if self.min_match > self.max_match:
+            raise ValueError(f"speculative.ngram.min_match: {self.min_match} is above max_match "
+                             f"({self.max_match}); lower min_match or raise max_match")
+        return self
+
+
 class SpeculativeSpec(_Section):
+    method: Literal["draft_model", "ngram", "ngram+draft"] = Field(
+        "draft_model",
+        description="Who proposes draft tokens: 'draft_model' (the draft engine), 'ngram' (lookups in the prompt "
+                    "and generated text; no draft model needed), 'ngram+draft' (per step and request, whichever "
+                    "promises more tokens per unit of cost; lookups only where a match exists). Changing it "
+                    "rebuilds nothing: it is a runtime choice.")
+    ngram: NgramSpec = Field(default_factory=NgramSpec)
     max_draft_len: int = Field(4, description="K: draft tokens proposed per target step.")
     acceptance: Literal["greedy", "rejection"] = Field(
         "rejection",
@@ -153,7 +175,7 @@ class PipelineConfig(_Section):
     name: str = Field(description="Names the output folder engines/<name>/.", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     backend: Literal["torch", "trtllm"] = "torch"
     target: ModelSpec
-    draft: ModelSpec
+    draft: ModelSpec | None = Field(None, description="Required unless speculative.method is 'ngram'.")
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
     build: BuildSpec = Field(default_factory=BuildSpec)
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)
@@ -165,6 +187,18 @@ class PipelineConfig(_Section):
     @property
     def base_dir(self) -> Path:
         return self._base_dir
+
+    @model_validator(mode="after")
+    def _draft_for_method(self) -> PipelineConfig:
+        if self.draft is None and self.speculative.method != "ngram":
+            raise ValueError(f"draft: required for speculative.method {self.speculative.method!r}; add a draft "
+                             f"model (draft: {{model: ...}}) or set speculative.method: ngram")
+        return self
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The models this config converts and builds: the draft only when its method uses a draft model."""
+        return ("target",) if self.speculative.method == "ngram" else ("target", "draft")
 
     def resolved(self) -> dict:
         """The config as plain data, the form stored in manifests (no secrets live in the config)."""
@@ -187,7 +221,7 @@ def _format_error(err: dict, data: object) -> str:
         return f"{loc}: required but missing; add it to the config"
     value = err.get("input")
     msg = msg.replace("\n", " ")
-    if msg.startswith(loc.split(".")[0] + "."):  # model-level validator already named the field
+    if msg.startswith(loc.split(".")[0] + ".") or not err["loc"]:  # a model-level validator named the field
         return msg
     return f"{loc}: {value!r} is invalid: {msg}"
 

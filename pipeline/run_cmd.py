@@ -44,12 +44,16 @@ def load_executor(config, engines_dir: Path):
     from .executor import SpeculativeExecutor
     from .stages import verify_engines
 
+    from .executor.proposers import NgramSettings
+
     verify_engines(config, engines_dir)
     device = None if config.runtime.device == "auto" else config.runtime.device
+    spec = config.speculative
+    proposer = dict(method=spec.method, ngram=NgramSettings(spec.ngram.min_match, spec.ngram.max_match))
     if config.backend == "torch":
         return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device,
-                                                compile=config.runtime.torch_compile)
-    return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device)
+                                                compile=config.runtime.torch_compile, **proposer)
+    return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device, **proposer)
 
 
 def cmd_run(args) -> int:

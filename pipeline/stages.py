@@ -17,9 +17,6 @@ from .errors import EngineError
 from .layout import Layout
 from .models import resolve_model, weight_files
 
-ROLES = ("target", "draft")
-
-
 def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport:
     report = check_pair(config, with_weights=with_weights)
     for line in report.ok:
@@ -35,8 +32,11 @@ def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport
 def _role_config(config: PipelineConfig, role: str) -> dict:
     """The part of the config a role's output depends on; the other role's settings must not invalidate it."""
     data = config.resolved()
+    # Only what an engine is built for: the proposer (speculative.method, ngram) is chosen at run time, so swapping
+    # it is a YAML edit that rebuilds nothing.
+    speculative = {key: data["speculative"][key] for key in ("max_draft_len", "acceptance")}
     return {"name": config.name, "backend": config.backend, "model": data[role],
-            "speculative": data["speculative"], "build": data["build"]}
+            "speculative": speculative, "build": data["build"]}
 
 
 def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False) -> StageResult:
@@ -76,7 +76,7 @@ def verify_engines(config: PipelineConfig, engines_dir: Path) -> Layout:
     """Refuse engines that are missing, incomplete, or were built from a config other than this one."""
     layout = Layout.for_config(config, engines_dir)
     config = with_build_limits(config)  # the build manifests hold the limits the engines were built with
-    for role in ROLES:
+    for role in config.roles:
         folder = layout.stage_dir(role, "build")
         manifest = _completed(layout, role, "build")
         built_with, wanted = manifest.get("config", {}), _role_config(config, role)
@@ -112,7 +112,7 @@ def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...
     results: list[StageResult] = []
     with build_lock(layout.root):
         for stage in stages:
-            for role in ROLES:
+            for role in config.roles:
                 print(f"[{stage}] {role}: {getattr(config, role).model}", file=sys.stderr, flush=True)
                 step = convert_role if stage == "convert" else build_role
                 result = step(config, layout, role, force=force)

@@ -141,3 +141,89 @@ def test_ngram_settings_are_used(pair):
     b = loose.generate(REPEATING, 30)
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert sum(r.stats.draft_tokens for r in a) < sum(r.stats.draft_tokens for r in b)
+
+
+# ---- config, stages, serving ---------------------------------------------------------------------------------------
+
+def test_config_method_rules(tiny_pair):
+    from conftest import tiny_config_dict
+
+    from pipeline.config import parse_config
+    from pipeline.errors import ConfigError
+
+    data = tiny_config_dict(tiny_pair)
+    del data["draft"]
+    with pytest.raises(ConfigError, match="draft: required for speculative.method 'draft_model'.*method: ngram"):
+        parse_config(data)
+    with pytest.raises(ConfigError, match="'ngram\\+draft'"):
+        parse_config({**data, "speculative": {"method": "ngram+draft"}})
+    config = parse_config({**data, "speculative": {"method": "ngram", "ngram": {"min_match": 2, "max_match": 3}}})
+    assert config.roles == ("target",) and config.speculative.ngram.min_match == 2
+    with pytest.raises(ConfigError, match="speculative.ngram.min_match: 5 is above max_match"):
+        parse_config({**data, "speculative": {"method": "ngram", "ngram": {"min_match": 5}}})
+    with pytest.raises(ConfigError, match="speculative.method"):
+        parse_config({**data, "speculative": {"method": "lookahead"}})
+
+
+def test_ngram_config_builds_only_the_target_and_swapping_method_rebuilds_nothing(tiny_pair, tmp_path, capsys):
+    from conftest import tiny_config_dict, write_config
+
+    from pipeline.cli import main
+    from pipeline.config import load_config
+    from pipeline.run_cmd import load_executor
+
+    data = tiny_config_dict(tiny_pair, name="lookup")
+    draft = data.pop("draft")
+    path = write_config(tmp_path, {**data, "speculative": {"method": "ngram", "max_draft_len": 4}})
+    engines = tmp_path / "engines"
+    assert main(["build", str(path), "--engines-dir", str(engines)]) == 0
+    assert (engines / "lookup" / "target" / "build").is_dir() and not (engines / "lookup" / "draft").exists()
+    executor = load_executor(load_config(path), engines)
+    (result,) = executor.generate(REPEATING[:1], 16)
+    assert set(result.stats.by_proposer) <= {"ngram"} and executor.engine.draft is None
+
+    # method: ngram+draft with the draft added: the target is up to date, only the draft is converted and built
+    path = write_config(tmp_path, {**data, "draft": draft, "speculative": {"method": "ngram+draft", "max_draft_len": 4}})
+    capsys.readouterr()
+    assert main(["build", str(path), "--engines-dir", str(engines)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("up to date") == 2 and out.count("built") >= 2, out  # target convert+build kept
+    hybrid = load_executor(load_config(path), engines)
+    assert hybrid.method == "ngram+draft" and hybrid.engine.draft is not None
+
+    # and back to draft_model: nothing to rebuild at all
+    path = write_config(tmp_path, {**data, "draft": draft, "speculative": {"method": "draft_model", "max_draft_len": 4}})
+    capsys.readouterr()
+    assert main(["build", str(path), "--engines-dir", str(engines)]) == 0
+    assert capsys.readouterr().out.count("up to date") == 4
+
+
+def test_deploy_passes_the_method_to_the_served_engine(tiny_pair, tmp_path):
+    from conftest import tiny_config_dict
+
+    from pipeline.config import parse_config
+    from pipeline.triton import torch_repo
+
+    data = tiny_config_dict(tiny_pair)
+    config = parse_config({**data, "speculative": {"method": "ngram+draft", "ngram": {"max_match": 3}}})
+    model = torch_repo.model_config(config, "speculative_stream", True, tmp_path)
+    params = {k: v.string_value for k, v in model.parameters.items()}
+    assert params["method"] == "ngram+draft" and params["ngram_max_match"] == "3"
+
+
+def test_trtllm_deploy_says_how_ngram_is_served(tmp_path, capsys):
+    import yaml
+
+    from pipeline.cli import main
+
+    data = yaml.safe_load(open("configs/llama3.1-8b_llama3.2-1b.yaml"))
+    data["speculative"]["method"] = "ngram+draft"
+    path = tmp_path / "hybrid.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["deploy", str(path), "--engines-dir", str(tmp_path / "engines")]) == 0
+    assert "n-gram proposals on TensorRT-LLM run through the Python executor" in capsys.readouterr().out
+    data["speculative"]["method"] = "ngram"
+    data.pop("draft")
+    path.write_text(yaml.safe_dump(data))
+    assert main(["deploy", str(path), "--engines-dir", str(tmp_path / "engines")]) == 2
+    assert "cannot be served by the tensorrtllm_backend layout" in capsys.readouterr().err

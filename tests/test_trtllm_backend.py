@@ -389,3 +389,32 @@ def test_gpu_smoke_script_fails_on_a_version_mismatch(tmp_path):
     assert done.returncode != 0
     assert f"installed TensorRT-LLM is 1.2.1 but this pipeline is pinned to {PINNED_VERSION}" in done.stderr
     assert "== 2." not in done.stdout  # stopped before any build
+
+
+def test_ngram_loads_only_the_target_engine(monkeypatch, tmp_path):
+    """speculative.method: ngram builds no draft engine; loading must neither need nor open one."""
+    from pipeline.backends import trtllm_loading
+    from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor
+
+    config = load_config(CONFIG)
+    folder = tmp_path / "target" / "build"
+    fake_engine_config(folder, spec_mode=2, max_draft_len=4)
+    (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, "target", PINNED_VERSION)))
+    write_manifest(folder, {"stage": "build", "role": "target"})
+    _tiny_tokenizer(folder / "tokenizer")
+    opened = []
+
+    class RecordingEngine:  # FAKE ModelRunnerEngine
+        vocab_size = 300
+
+        def __init__(self, engine_dir, *args):
+            opened.append(Path(engine_dir).parent.name)
+
+    monkeypatch.setattr(trtllm_loading, "import_tensorrt_llm", lambda what: type("M", (), {"__version__":
+                                                                                              PINNED_VERSION}))
+    monkeypatch.setattr(trtllm_loading, "require_cuda_gpu", lambda what: None)
+    monkeypatch.setattr(trtllm_loading, "ModelRunnerEngine", RecordingEngine)
+    with pytest.raises(EngineError, match="draft"):  # the draft-model method still needs its engine
+        TrtllmSpeculativeExecutor.from_engines(tmp_path)
+    executor = TrtllmSpeculativeExecutor.from_engines(tmp_path, method="ngram")
+    assert opened == ["target"] and executor.draft is None and executor.method == "ngram" and executor.has_draft

@@ -13,7 +13,8 @@ from ..executor.loading import EngineInfo, read_engine
 from ..executor.trtllm_executor import EngineLimits, EngineOutput, Sampling
 from ..layout import Layout
 from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, require_cuda_gpu
-from .trtllm_preflight import preflight, raise_if_problems, read_engine_config
+from .trtllm_preflight import (check_context_logits, check_target_spec_mode, check_version, preflight,
+                               raise_if_problems, read_engine_config)
 
 __all__ = ["TOKENIZER_DIR", "check_pair", "load_executor", "ModelRunnerEngine"]
 
@@ -36,13 +37,27 @@ def check_pair(root: Path, installed_version: str | None, target_device_ids: lis
     return target, draft
 
 
+def check_target_only(root: Path, installed_version: str | None) -> EngineInfo:
+    """engine.json of a target built without a draft (speculative.method: ngram) after its pre-flight checks."""
+    layout = Layout(Path(root))
+    target = read_engine(layout.root, "target")
+    engine = read_engine_config(layout.engine_dir("target"))
+    raise_if_problems(check_target_spec_mode(engine, target.max_draft_len) + check_context_logits(engine)
+                      + check_version(engine, installed_version))
+    return target
+
+
 def load_executor(cls, root, target_device_ids: list[int] | None = None,
-                  draft_device_ids: list[int] | None = None) -> Any:
-    """The executor on the engines under ``root``; device ids default to the runtime.* recorded at build time."""
+                  draft_device_ids: list[int] | None = None, method: str = "draft_model") -> Any:
+    """The executor on the engines under ``root``; device ids default to the runtime.* recorded at build time.
+    With ``method="ngram"`` only the target engine is loaded (lookups need no draft)."""
     layout = Layout(Path(root))
     trtllm = import_tensorrt_llm("running TensorRT-LLM engines")
     require_cuda_gpu("running TensorRT-LLM engines")
-    target_info, _ = check_pair(layout.root, trtllm.__version__, target_device_ids, draft_device_ids)
+    if method == "ngram":
+        target_info = check_target_only(layout.root, trtllm.__version__)
+    else:
+        target_info, _ = check_pair(layout.root, trtllm.__version__, target_device_ids, draft_device_ids)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(layout.engine_dir("target") / TOKENIZER_DIR)
@@ -57,13 +72,13 @@ def load_executor(cls, root, target_device_ids: list[int] | None = None,
     reuse = target_info.get("enable_block_reuse")
     # Every step re-submits the sequence so far: allow contexts up to max_seq_len - 1, as the engines were built.
     context_len = target_info.max_seq_len - 1
-    draft = ModelRunnerEngine(layout.engine_dir("draft"), draft_ids, draft_kv, reuse, rejection, eos, pad,
-                              context_len)
+    draft = None if method == "ngram" else ModelRunnerEngine(
+        layout.engine_dir("draft"), draft_ids, draft_kv, reuse, rejection, eos, pad, context_len)
     target = ModelRunnerEngine(layout.engine_dir("target"), target_ids, target_kv, reuse, rejection, eos, pad,
                                context_len)
     limits = EngineLimits(target_info.max_input_len, target_info.max_seq_len, target_info.max_draft_len)
     return cls(target, draft, tokenizer, limits, target_info.max_draft_len, target_info.acceptance,
-               eos_token_ids=[eos] if eos is not None else [])
+               eos_token_ids=[eos] if eos is not None else [], method=method)
 
 
 class ModelRunnerEngine:

@@ -62,8 +62,10 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
     from ..models import resolve_model
     from ..run_cmd import load_executor
 
-    root = engines_dir / config.name
-    if (root / "target" / "build").is_dir() and (root / "draft" / "build").is_dir():
+    from ..layout import Layout
+
+    root = Layout.for_config(config, engines_dir).root
+    if all(Layout(root).engine_dir(role).is_dir() for role in config.roles):
         return load_executor(config, engines_dir), f"engines {root}"
     note(f"note: no built engines in {root}; loading the config's model folders with from_pretrained "
          "(run `python -m pipeline build CONFIG` to benchmark the built engines)")
@@ -73,10 +75,11 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     target = resolve_model(config.target, "target", config.base_dir).path
-    draft = resolve_model(config.draft, "draft", config.base_dir).path
+    draft = resolve_model(config.draft, "draft", config.base_dir).path if config.draft is not None else None
     executor = SpeculativeExecutor.from_pretrained(target, draft, max_draft_len=k_max, device=device,
                                                    dtype=config.target.dtype,
-                                                   acceptance=config.speculative.acceptance)
+                                                   acceptance=config.speculative.acceptance,
+                                                   method=config.speculative.method)
     return executor, f"model folders {target.parent}"
 
 

@@ -90,15 +90,16 @@ class _HFTimingStreamer:
 
 
 def hf_sample(target_model, draft_model, prompt_ids: Sequence[int], max_new_tokens: int, k: int,
-              pad_token_id: int | None) -> Sample:
-    """Greedy Hugging Face ``generate``: plain (``draft_model`` None) or assisted with K = ``k`` every step.
+              pad_token_id: int | None, prompt_lookup: bool = False) -> Sample:
+    """Greedy Hugging Face ``generate``: plain (``draft_model`` None) or assisted with K = ``k`` every step, or
+    prompt-lookup decoding (``prompt_lookup``: HF's n-gram proposer, ``prompt_lookup_num_tokens=k``).
 
     The assistant's schedule is pinned to "constant" and its confidence early-exit turned off, so K is exactly
     the number of draft tokens per step, as in our runtime. The draft's generation_config is restored afterwards.
     """
     import torch
 
-    streamer = _HFTimingStreamer(k if draft_model is not None else 0)
+    streamer = _HFTimingStreamer(k if draft_model is not None or prompt_lookup else 0)
     input_ids = torch.tensor([list(prompt_ids)], dtype=torch.long, device=target_model.device)
     kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
                   do_sample=False, streamer=streamer, pad_token_id=pad_token_id)
@@ -109,6 +110,8 @@ def hf_sample(target_model, draft_model, prompt_ids: Sequence[int], max_new_toke
         gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = k, "constant"
         gen.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = draft_model
+    elif prompt_lookup:
+        kwargs["prompt_lookup_num_tokens"] = k
     start = time.perf_counter()
     try:
         with torch.inference_mode():

@@ -1,7 +1,7 @@
 """Turn timed samples into benchmark records (one per method and K) and print them as a table.
 
 Record fields (results.json):
-  method               target | speculative | dynamic | hf_target | hf_assisted
+  method               target | speculative | dynamic | ngram | ngram+draft | hf_target | hf_assisted | hf_lookup
   k                    draft tokens per step (0 = no draft; "auto" for dynamic K)
   prompt_set           which built-in prompt set
   tokens_per_s         median over repeats of (tokens emitted / wall seconds) over all prompts
@@ -47,7 +47,7 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
     k_mean = drafted / len(steps) if steps else 0.0
     alpha = alpha_from_steps(steps)
     # Lookups run no model: their cost ratio is 0. (The hybrid keeps the draft's c: an upper bound on its cost.)
-    c = 0.0 if method == "ngram" else costs.cost_ratio_c
+    c = 0.0 if method in ("ngram", "hf_lookup") else costs.cost_ratio_c
     if method in ("target", "hf_target"):
         verify, bound, refined = 1.0, 1.0, 1.0
     else:

@@ -6,6 +6,8 @@ Methods (all greedy, batch 1):
   dynamic      our runtime with max_draft_len="auto" (the executor picks K per step), when the executor has it
   ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
   ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
+  hf_lookup    Hugging Face generate(prompt_lookup_num_tokens=K) at the executor's K: the peer of ngram
+(Without a draft model, speculative.method: ngram, only target, ngram, hf_target and hf_lookup run.)
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
   hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
 
@@ -57,23 +59,30 @@ def dynamic_k_available(executor, prompt_ids: list[int]) -> str | None:
 
 
 def build_methods(executor, options: BenchOptions, max_new_tokens: int, dynamic: bool) -> list[Method]:
+    with_draft = executor.has_draft_model
     methods = [Method("target", 0, lambda ids: stream_sample(executor, ids, max_new_tokens, 0))]
-    for k in range(1, options.k_max + 1):
-        methods.append(Method("speculative", k, lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
-    if dynamic:
-        methods.append(Method("dynamic", "auto",
-                              lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
-    k = min(executor.max_draft_len, options.k_max)
-    for proposer in ("ngram", "ngram+draft"):
-        methods.append(Method(proposer, k, lambda ids, p=proposer: stream_sample(executor, ids, max_new_tokens, k,
-                                                                                 method=p)))
+    if with_draft:
+        for k in range(1, options.k_max + 1):
+            methods.append(Method("speculative", k,
+                                  lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
+        if dynamic:
+            methods.append(Method("dynamic", "auto",
+                                  lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
+    lookup_k = min(executor.max_draft_len, options.k_max)
+    for proposer in ("ngram", "ngram+draft") if with_draft else ("ngram",):
+        methods.append(Method(proposer, lookup_k, lambda ids, p=proposer: stream_sample(
+            executor, ids, max_new_tokens, lookup_k, method=p)))
     if not options.skip_hf:
-        target, draft = executor.target.model, executor.draft.model
+        target = executor.target.model
+        draft = executor.draft.model if with_draft else None
         pad = getattr(executor.tokenizer, "pad_token_id", None)
         methods.append(Method("hf_target", 0, lambda ids: hf_sample(target, None, ids, max_new_tokens, 0, pad)))
-        for k in range(1, options.k_max + 1):
-            methods.append(Method("hf_assisted", k,
-                                  lambda ids, k=k: hf_sample(target, draft, ids, max_new_tokens, k, pad)))
+        if with_draft:
+            for k in range(1, options.k_max + 1):
+                methods.append(Method("hf_assisted", k,
+                                      lambda ids, k=k: hf_sample(target, draft, ids, max_new_tokens, k, pad)))
+        methods.append(Method("hf_lookup", lookup_k, lambda ids: hf_sample(
+            target, None, ids, max_new_tokens, lookup_k, pad, prompt_lookup=True)))
     return methods
 
 
@@ -117,6 +126,7 @@ def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions
         method.run(first[:16])
     measure = measure_costs if torch_runtime else measure_call_costs
     costs = measure(executor.target, executor.draft, first, options.k_max, repeats=options.cost_repeats)
+    # (without a draft model the draft cost is 0: lookups run no model)
 
     samples: dict[tuple[str, str, int | str], list[list[Sample]]] = {}
     total = options.repeats * len(methods) * sum(len(v) for v in fitted.values())

@@ -74,14 +74,15 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
     context = list(context)
     if len(context) < k_max + 1:
         raise ValueError(f"context: {len(context)} tokens; need at least k_max + 1 = {k_max + 1} to append")
-    for runner in (target, draft):
+    runners = [r for r in (target, draft) if r is not None]  # no draft model (ngram): its cost is 0
+    for runner in runners:
         runner.clear(0)
         runner.prefill(0, context)
     single = {"target": [], "draft": []}
     verify: list[list[float]] = [[] for _ in range(k_max)]
     for rep in range(warmup + repeats):
         t = _time_forward(target, len(context), context[:1])
-        d = _time_forward(draft, len(context), context[:1])
+        d = _time_forward(draft, len(context), context[:1]) if draft is not None else 0.0
         widths = [_time_forward(target, len(context), context[:k + 1]) for k in range(1, k_max + 1)]
         if rep < warmup:
             continue  # first calls pay allocator and dispatch warm-up
@@ -89,7 +90,7 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
         single["draft"].append(d)
         for k, value in enumerate(widths):
             verify[k].append(value)
-    for runner in (target, draft):
+    for runner in runners:
         runner.clear(0)
     ms = lambda xs: statistics.median(xs) * 1000.0  # noqa: E731
     return CostTerms(target_ms=ms(single["target"]), draft_ms=ms(single["draft"]),
@@ -122,7 +123,7 @@ def measure_call_costs(target, draft, context: Sequence[int], k_max: int, repeat
     verify: list[list[float]] = [[] for _ in range(k_max)]
     for rep in range(warmup + repeats):
         t = timed(lambda: target.generate(head, 1, greedy))
-        d = timed(lambda: draft.generate(head, 1, greedy))
+        d = timed(lambda: draft.generate(head, 1, greedy)) if draft is not None else 0.0
         widths = [timed(lambda k=k: target.generate(head, k + 1, greedy, draft_tokens=context[len(head):][:k]))
                   for k in range(1, k_max + 1)]
         if rep < warmup:

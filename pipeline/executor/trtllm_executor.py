@@ -133,10 +133,8 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         """
         from ..backends.trtllm_loading import load_executor
 
-        executor = load_executor(cls, root, target_device_ids, draft_device_ids)
-        if method != executor.method or ngram is not None:
-            check_method(method, executor.draft is not None)
-            executor.method, executor.ngram = method, ngram or executor.ngram
+        executor = load_executor(cls, root, target_device_ids, draft_device_ids, method=method)
+        executor.ngram = ngram or executor.ngram
         return executor
 
     # ---- the contract's backend part ------------------------------------------------------------------------------

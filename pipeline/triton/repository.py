@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..layout import Layout
 from ..artifacts import StageResult, read_manifest, run_stage, sha256_file
 from ..config import PipelineConfig
-from ..errors import EngineError
+from ..errors import ConfigError, EngineError
 from . import torch_repo, trtllm_repo
 
 
@@ -30,12 +31,12 @@ class DeployPlan:
         return self.engines_root / "triton"
 
     def engine_dir(self, role: str) -> Path:
-        return self.engines_root / role / "build"
+        return Layout(self.engines_root).engine_dir(role)
 
 
 def _engine_keys(plan: DeployPlan) -> dict[str, str]:
     keys = {}
-    for role in ("target", "draft"):
+    for role in plan.config.roles:
         folder = plan.engine_dir(role)
         manifest = read_manifest(folder) if folder.exists() else None
         if manifest is None:
@@ -59,6 +60,11 @@ def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
             written = torch_repo.write_torch_repository(tmp, config, plan.engines_root)
             return {"models": [p.name for p in written]}
     else:
+        if config.speculative.method == "ngram":
+            raise ConfigError("speculative.method: 'ngram' cannot be served by the tensorrtllm_backend layout, "
+                              "whose tensorrt_llm_bls drafts with a draft engine; run n-gram on TensorRT-LLM "
+                              "through the Python executor (`python -m pipeline run`), or use backend: torch to "
+                              "serve it with Triton, or method draft_model")
         # TensorRT-LLM engines are built on the GPU box; the repository only names their paths, so it can be
         # generated (and checked) anywhere.
         paths = trtllm_repo.TrtllmPaths.for_engines(plan.engine_dir("target"), plan.engine_dir("draft"),

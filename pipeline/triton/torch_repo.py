@@ -72,6 +72,9 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         "pipeline_root": PIPELINE_ROOT,
         "device": "" if config.runtime.device == "auto" else config.runtime.device,
         "adaptive_draft_len": "true",
+        "method": config.speculative.method,
+        "ngram_min_match": config.speculative.ngram.min_match,
+        "ngram_max_match": config.speculative.ngram.max_match,
         "config_name": config.name,
         "max_draft_len": config.speculative.max_draft_len,
     })

@@ -58,6 +58,7 @@ class TritonPythonModel:
         if params["pipeline_root"] not in sys.path:
             sys.path.insert(0, params["pipeline_root"])
         from pipeline.executor import RequestError, SpeculativeExecutor
+        from pipeline.executor.proposers import NgramSettings
         from pipeline.executor.serving import EngineLoop
         from pipeline.triton.request_inputs import parse_request
 
@@ -65,7 +66,9 @@ class TritonPythonModel:
         self.parse_request = parse_request
         self.executor = SpeculativeExecutor.from_engines(
             params["engines_dir"], device=params.get("device") or None,
-            adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true")
+            adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
+            method=params.get("method") or "draft_model",
+            ngram=NgramSettings(int(params.get("ngram_min_match") or 1), int(params.get("ngram_max_match") or 4)))
         self.k_limit = self.executor.draft_len_limit or self.executor.max_draft_len
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
