@@ -86,13 +86,16 @@ def test_zero_draft_probability_counts_as_rejection():
     assert n.tolist() == [0] and out.tolist() == [[1, -1]]  # recovered from residual max(0, p - q) = token 1
 
 
-def test_draft_equal_to_target_accepts_all_without_nan():
+def test_draft_equal_to_target_accepts_all():
+    # target/draft == 1 exactly: kept whatever the uniform (u < 1), with no 0/0 on the way
     probs = torch.softmax(torch.randn(4, 3, 7, generator=torch.Generator().manual_seed(1)), -1)
     drafts = torch.multinomial(probs.reshape(-1, 7), 1, generator=torch.Generator().manual_seed(2)).reshape(4, 3)
-    target = torch.cat([probs, probs[:, :1]], dim=1)
+    bonus_rows = dist(*[[0.0] * i + [1.0] + [0.0] * (6 - i) for i in (5, 0, 6, 2)])  # [4, 7] one-hot
+    target = torch.cat([probs, bonus_rows[:, None]], dim=1)  # [4, 4, 7]
     out, n = accept_rejection(drafts, probs, target, generator=torch.Generator().manual_seed(0))
     assert n.tolist() == [3, 3, 3, 3]
-    assert not torch.isnan(out.float()).any() and (out >= 0).all()
+    assert out[:, :3].tolist() == drafts.tolist()  # every draft token kept, in order
+    assert out[:, 3].tolist() == [5, 0, 6, 2]  # the bonus comes from the target's last row
 
 
 def test_residual_all_zero_falls_back_to_target():

@@ -59,7 +59,7 @@ def test_defaults():
     (minimal(target={"model": "x/y", "dtype": "int3"}), ["target.dtype", "'int3'"]),
     (minimal(target={"model": "x/y", "modle": 1}), ["target.modle", "unknown key", "spelling"]),
     (minimal(colour="red"), ["colour", "unknown key"]),
-    ({"name": "t", "target": {"model": "a/b"}}, ["draft", "missing", "add it"]),
+    ({"name": "t", "target": {"model": "a/b"}}, ["draft", "required", "add"]),
     (minimal(build={"max_input_len": 4096, "max_seq_len": 2048}), ["build.max_input_len", "4096", "max_seq_len"]),
     (minimal(build={"parallel": {"tp": 0}}), ["build.parallel.tp", "0"]),
     (minimal(build={"kv_cache": {"tokens_per_block": 48}}), ["build.kv_cache.tokens_per_block", "48",
@@ -205,9 +205,10 @@ def test_five_key_trtllm_config_gets_concrete_limits_in_the_build_command(pair_5
     from pipeline.stages import Layout, build_role
 
     config = load_config(_five_key_config(pair_512, "trtllm"))
-    plan = "\n".join(build_role(config, Layout.for_config(config, pair_512 / "engines"), "target", dry_run=True))
-    assert "--max_seq_len 512" in plan and "--max_input_len 256" in plan
-    assert '"max_seq_len": 512' in plan  # the engine.json the build writes
+    plan = build_role(config, Layout.for_config(config, pair_512 / "engines"), "target", dry_run=True)
+    argv, engine_json = plan[0], plan[-1]  # the trtllm-build command, then the engine.json it leads to
+    assert "--max_seq_len 512" in argv and "None" not in argv
+    assert '"max_seq_len": 512' in engine_json and '"max_input_len": 256' in engine_json  # what the build writes
 
 
 def test_set_limits_are_still_checked_against_the_models(pair_512, tmp_path):

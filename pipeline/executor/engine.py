@@ -184,11 +184,14 @@ class SpeculativeEngine:
             return {}
         k = max(ks[row] for row in chosen)
         width = logits.shape[1]
+        argmax = logits.argmax(-1).cpu()  # [rows, width]; one small transfer instead of the logits
+        if k == 0:  # plain decoding: the accept rule reduces to "emit the target's token"
+            return {row: ([int(argmax[row, firsts[row]])], 0) for row in chosen}
         drafted = torch.full((len(chosen), k), -1, dtype=torch.long)  # [g, k]
         for i, row in enumerate(chosen):
             drafted[i, :ks[row]] = torch.tensor(drafts[row], dtype=torch.long)
         positions = (torch.tensor([firsts[row] for row in chosen])[:, None] + torch.arange(k + 1)[None, :])
-        target_tokens = logits[chosen].argmax(-1).cpu().gather(1, positions.clamp_max(width - 1))  # [g, k+1]
+        target_tokens = argmax[chosen].gather(1, positions.clamp_max(width - 1))  # [g, k+1]
         output, num_accepted = accept_matching(drafted, target_tokens)
         output, num_accepted = output.tolist(), num_accepted.tolist()
         return {row: (output[i][:num_accepted[i] + 1], num_accepted[i]) for i, row in enumerate(chosen)}

@@ -1,0 +1,176 @@
+"""Mutation check of the sampling tests: plant each known sampling bug in a copy of the tree and run the tests.
+
+Each mutant is one exact text substitution in one file. The script copies the project (without .venv, engines,
+models, .git) to a temporary folder per mutant, applies the substitution, and runs the given tests there with
+that copy's ``pipeline`` first on the import path. A mutant is *killed* when the tests fail, and *survived* when
+they pass. The unmutated copy runs first and must pass, or every "killed" would mean nothing.
+
+A substitution that no longer matches exactly once (the code it targets was rewritten) stops the script with an
+error naming the mutant: adapt its ``old``/``new`` text here rather than letting a mutant silently vanish.
+
+    .venv/bin/python scripts/mutants.py                      # all mutants, the default tests
+    .venv/bin/python scripts/mutants.py --only shared_uniform -- tests/test_accept.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_TESTS = ["tests/test_sampling_e2e.py", "tests/test_accept.py"]
+SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
+                              ".hypothesis", "build")
+
+ENGINE = "pipeline/executor/engine.py"
+ACCEPT = "pipeline/speculative/accept.py"
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # file to edit, relative to the repository root
+    old: str  # exact text, must occur exactly once
+    new: str
+    bug: str  # what the substitution does, in words
+
+
+MUTANTS = [
+    Mutant("temperature_draft_only", ENGINE,
+           "target_probs = logits_to_probs(target_logits, request.params)  # [k+1, V]",
+           "target_probs = logits_to_probs(target_logits, type(request.params)(1.0, request.params.top_k, "
+           "request.params.top_p))",
+           "temperature applied to the draft's distribution only (the target's stays at 1)"),
+    Mutant("temperature_target_only", ENGINE,
+           "row_probs = logits_to_probs(logits[row, last][None], request.params)  # [1, V]",
+           "row_probs = logits_to_probs(logits[row, last][None], type(request.params)(1.0, request.params.top_k, "
+           "request.params.top_p))  # [1, V]",
+           "temperature applied to the target's distribution only (the draft samples at 1)"),
+    Mutant("draft_probs_shifted", ENGINE,
+           "torch.cat(draft_probs)[None]",
+           "torch.cat(draft_probs[1:] + draft_probs[:1])[None]",
+           "draft position i is judged with the draft distribution of position i+1 (invisible when K = 1)"),
+    Mutant("greedy_accept_argmax", ENGINE,
+           "output, num_accepted = accept_matching(drafted, sample(target_probs, request.generator)[None])",
+           "output, num_accepted = accept_matching(drafted, target_probs.argmax(-1)[None])",
+           "'greedy' acceptance under sampling compares draft tokens with the target's argmax, not its sample"),
+    Mutant("bonus_from_draft", ACCEPT,
+           "target_at = target_probs[rows, num_accepted]  # [B, V]",
+           "target_at = torch.cat([target_probs[:, :k], draft_probs[:, -1:]], 1)[rows, num_accepted]  # [B, V]",
+           "after all K are accepted, the bonus token is drawn from the draft's last distribution"),
+    Mutant("residual_from_target", ACCEPT,
+           "residual = (target_at - draft_padded[rows, num_accepted]).clamp_min(0)  # [B, V]",
+           "residual = target_at.clamp_min(0)  # [B, V]",
+           "the recovered token is drawn from the target instead of normalize(max(0, target - draft))"),
+    Mutant("shared_uniform", ACCEPT,
+           "uniform = torch.rand(batch, k, generator=generator, device=draft_probs.device, dtype=draft_p.dtype)",
+           "uniform = torch.rand(batch, 1, generator=generator, device=draft_probs.device, "
+           "dtype=draft_p.dtype).expand(batch, k)",
+           "one uniform shared by all K positions of a sequence"),
+    Mutant("accepted_len_plus_one", ACCEPT,
+           "num_accepted = _prefix_length(keep)  # [B]",
+           "num_accepted = (_prefix_length(keep) + 1).clamp(max=k)  # [B]",
+           "the accepted length counts the first rejected draft token as accepted"),
+    Mutant("accepted_len_minus_one", ACCEPT,
+           "num_accepted = _prefix_length(keep)  # [B]",
+           "num_accepted = (_prefix_length(keep) - 1).clamp(min=0)  # [B]",
+           "the accepted length drops the last accepted draft token"),
+]
+
+
+def copy_tree(dest: Path) -> Path:
+    shutil.copytree(REPO, dest, ignore=SKIP)
+    return dest
+
+
+def apply(mutant: Mutant, root: Path) -> None:
+    path = root / mutant.path
+    text = path.read_text()
+    count = text.count(mutant.old)
+    if count != 1:
+        raise SystemExit(f"mutant {mutant.name}: its text occurs {count} times in {mutant.path} (expected once); "
+                         f"the code changed: adapt the mutant's old/new text in scripts/mutants.py\n"
+                         f"  old: {mutant.old!r}")
+    path.write_text(text.replace(mutant.old, mutant.new))
+
+
+def run_tests(root: Path, tests: list[str], timeout: int, first_failure: bool = False) -> tuple[int, float, str]:
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # The venv may hold this project installed editable: make sure the copy's package is the one imported.
+    where = subprocess.run([sys.executable, "-c", "import pipeline; print(pipeline.__file__)"], cwd=root, env=env,
+                           capture_output=True, text=True, check=True).stdout.strip()
+    if not Path(where).resolve().is_relative_to(root.resolve()):
+        raise SystemExit(f"{root}: imports pipeline from {where}, not from the copy; check PYTHONPATH")
+    start = time.perf_counter()
+    stop = ["-x"] if first_failure else []
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *stop, *tests], cwd=root,
+                          env=env, capture_output=True, text=True, timeout=timeout)
+    return proc.returncode, time.perf_counter() - start, proc.stdout + proc.stderr
+
+
+def run_all(chosen: list[Mutant], work: Path, args) -> list[tuple[Mutant, str]]:
+    # Check every substitution before spending minutes on tests: a stale pattern fails in seconds.
+    for mutant in chosen:
+        apply(mutant, copy_tree(work / mutant.name))
+    rc, seconds, out = run_tests(copy_tree(work / "unmutated"), args.tests, args.timeout)
+    if rc != 0:
+        print(out[-4000:])
+        raise SystemExit(f"the unmutated tree fails {args.tests} (exit {rc}): fix that first")
+    print(f"{'unmutated':26} passes    {seconds:6.1f} s")
+
+    rows = []
+    for mutant in chosen:
+        rc, seconds, out = run_tests(work / mutant.name, args.tests, args.timeout, args.first_failure)
+        # pytest: 1 = tests failed; anything else (2 interrupted, 3 internal, 4 usage, 5 none) is not a verdict.
+        verdict = {0: "SURVIVED", 1: "killed"}.get(rc, f"error {rc}")
+        failed = [line.split(" - ")[0].removeprefix("FAILED ").split("::", 1)[-1] for line in out.splitlines()
+                  if line.startswith("FAILED ")]
+        rows.append((mutant, verdict))
+        print(f"{mutant.name:26} {verdict:9} {seconds:6.1f} s  {len(failed):2} failed: {' '.join(failed)}",
+              flush=True)
+        if verdict.startswith("error"):
+            print(out[-3000:])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", action="append", help="run only this mutant (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per test run")
+    parser.add_argument("--keep", action="store_true", help="keep the mutated copies (paths are printed)")
+    parser.add_argument("-x", "--first-failure", action="store_true",
+                        help="stop each mutant's run at its first failing test (faster; lists one killer)")
+    parser.add_argument("tests", nargs="*", default=DEFAULT_TESTS, help="test files/ids, relative to the repo")
+    args = parser.parse_args(argv)
+    if args.list:
+        for m in MUTANTS:
+            print(f"{m.name:26} {m.path}: {m.bug}")
+        return 0
+    unknown = set(args.only or ()) - {m.name for m in MUTANTS}
+    if unknown:
+        raise SystemExit(f"--only: unknown mutant(s) {sorted(unknown)}; see --list")
+    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+
+    work = Path(tempfile.mkdtemp(prefix="mutants-"))
+    try:
+        rows = run_all(chosen, work, args)
+    finally:
+        if args.keep:
+            print(f"copies kept in {work}")
+        else:
+            shutil.rmtree(work)
+    bad = [m.name for m, verdict in rows if verdict != "killed"]
+    print(f"\n{len(rows) - len(bad)}/{len(rows)} mutants killed" + (f"; not killed: {', '.join(bad)}" if bad else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
