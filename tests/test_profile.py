@@ -34,7 +34,8 @@ def test_profile_recommends_k_in_range_and_reports_incompatible_drafts(tiny_pair
                  "--json"]) == 0
     out = capsys.readouterr().out
     profiles = json.loads(out[out.index("\n[\n") + 1:])
-    ok, bad, gone = profiles
+    ok, hybrid, bad, gone, lookup = profiles
+    assert [p["method"] for p in profiles] == ["draft_model", "ngram+draft", "draft_model", "draft_model", "ngram"]
     assert ok["status"] == "ok" and 1 <= ok["best_k"] <= 3
     assert len(ok["acceptance_by_position"]) == 3 and len(ok["expected_speedup"]) == 3
     assert ok["best_speedup"] == max(ok["expected_speedup"])
@@ -46,6 +47,14 @@ def test_profile_recommends_k_in_range_and_reports_incompatible_drafts(tiny_pair
     assert gone["status"] == "unavailable"
     assert "incompatible" in out.split("\n[\n")[0]
     assert "recommend:" in out and f"K={ok['best_k']} maximises" in out
+    # lookups: no model cost, acceptance per target step, the same speedup formula with c = 0
+    assert lookup["status"] == "ok" and lookup["cost_ratio_c"] == 0.0 and 1 <= lookup["best_k"] <= 3
+    for k in (1, 2, 3):
+        expected = (1 + sum(lookup["acceptance_by_position"][:k])) / lookup["verify_cost_ratio"][k - 1]
+        assert abs(lookup["expected_speedup"][k - 1] - expected) < 1e-9
+    # the hybrid ran at K = k_max with the draft's cost terms
+    assert hybrid["draft"] == f"ngram+{tiny_pair / 'draft'}" and hybrid["best_k"] == 3
+    assert 0.0 <= hybrid["draft_step_share"] <= 1.0 and hybrid["best_speedup"] > 0
 
 
 def test_profile_defaults_to_the_configs_draft(tiny_config, tmp_path, capsys):
@@ -63,3 +72,18 @@ def test_profile_rejects_bad_options(tiny_config, tmp_path, capsys):
     assert main(["profile", str(tiny_config), "--prompts", str(tmp_path / "none.txt"), "--k-max", "4",
                  "--max-new-tokens", "4"]) == 2
     assert "--max-new-tokens: 4 must exceed --k-max 4" in capsys.readouterr().err
+
+
+def test_recommendation_names_the_method():
+    from pipeline.bench.profile import DraftProfile, recommendation
+
+    draft = DraftProfile("d", "ok", best_k=4, best_speedup=1.6)
+    lookup = DraftProfile("ngram", "ok", best_k=3, best_speedup=1.9, method="ngram")
+    hybrid = DraftProfile("ngram+d", "ok", best_k=4, best_speedup=2.1, method="ngram+draft")
+    assert recommendation([draft, lookup]) .startswith("recommend: speculative.method: ngram with speculative"
+                                                       ".max_draft_len: 3, no draft model")
+    assert "method: ngram+draft with draft d and speculative.max_draft_len: 4" in recommendation(
+        [draft, lookup, hybrid])
+    assert "method: draft_model with draft d" in recommendation([draft])
+    slow = DraftProfile("ngram", "ok", best_k=1, best_speedup=0.9, method="ngram")
+    assert "serve the target alone" in recommendation([slow])

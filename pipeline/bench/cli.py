@@ -41,7 +41,13 @@ def add_bench_parsers(sub, common) -> None:
     p.add_argument("--k-max", type=int, default=8, help="largest K considered (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
     p.add_argument("--json", action="store_true", help="also print the measurements as JSON")
+    p.add_argument("--no-ngram", action="store_true",
+                   help="leave out the proposers that need no draft model (n-gram lookup, and ngram+draft)")
     p.set_defaults(func=_cmd_profile)
+
+    from .serving import add_bench_serve_parser
+
+    add_bench_serve_parser(sub, common)
 
 
 def _cmd_profile(args) -> int:

@@ -8,6 +8,13 @@ With the measured cost ratio c and verify cost v_K, the expected speedup of K is
     (1 + sum of acceptance_by_position[:K]) / (K c + v_K)
 
 (tokens a step emits over what a step costs, in target single-token forwards), which needs no i.i.d. assumption.
+
+Beside the drafts it measures the proposers that need no draft model, on the same prompts:
+  ngram        lookups in the prompt and output (c = 0); acceptance per position is counted per target step,
+               so steps where nothing matched (plain decoding) weigh in;
+  ngram+DRAFT  the per-step choice between lookup and that draft, run at K = k_max: its tokens per step over its
+               cost per step (the verify, plus K c on the steps where the draft ran).
+The recommendation names the method (speculative.method) as well as the draft and K.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from .analytic import best_k_from_survival, expected_tokens_from_survival, speed
 
 @dataclass
 class DraftProfile:
-    draft: str  # as the user named it
+    draft: str  # as the user named it ("ngram" for lookups alone)
     status: str  # "ok" | "incompatible" | "unavailable"
     reason: str = ""  # why not ok
     acceptance_rate: float = 0.0  # accepted / drafted at K = k_max
@@ -32,11 +39,16 @@ class DraftProfile:
     expected_speedup: list[float] = field(default_factory=list)  # [k_max], K = 1..k_max
     best_k: int = 0
     best_speedup: float = 0.0
+    method: str = "draft_model"  # the speculative.method this candidate is: draft_model | ngram | ngram+draft
+    draft_step_share: float = 1.0  # ngram+draft: share of speculative steps the draft model proposed
 
     def reasoning(self) -> str:
         if self.status != "ok":
             return f"{self.draft}: {self.status}: {self.reason}"
         k = self.best_k
+        if self.method == "ngram+draft":
+            return (f"{self.draft}: at K={k} the draft proposed in {self.draft_step_share:.0%} of speculative steps, "
+                    f"lookups in the rest; tokens per step over cost per step = {self.best_speedup:.2f}x")
         tokens = expected_tokens_from_survival(self.acceptance_by_position, k)
         by_pos = " ".join(f"{p:.2f}" for p in self.acceptance_by_position)
         return (f"{self.draft}: acceptance by position [{by_pos}], c = {self.cost_ratio_c:.3f}; K={k} maximises "
@@ -62,22 +74,73 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
         return DraftProfile(draft_name, "unavailable", str(exc))
     ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
     results = executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max)
-    stats = results[0].stats
-    for result in results[1:]:
-        stats = stats.merge(result.stats)
+    stats = _total(results)
     survival = list(stats.acceptance_by_position)
     if len(survival) < k_max:
         return DraftProfile(draft_name, "unavailable", f"only {len(survival)} draft positions measured; raise "
                                                        f"--max-new-tokens above --k-max {k_max}")
-    # The longest prompt plus its generated tokens gives a realistic attention length to time at.
-    context = max((p + r.token_ids for p, r in zip(ids, results)), key=len)
-    if len(context) < k_max + 1:
-        context = (context * (k_max + 1))[:k_max + 1]
-    costs = measure_costs(executor.target, executor.draft, context, k_max, repeats=cost_repeats)
+    costs = measure_costs(executor.target, executor.draft, _context(ids, results, k_max), k_max,
+                          repeats=cost_repeats)
     speedups = speedups_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     best_k, best_speedup = best_k_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     return DraftProfile(draft_name, "ok", "", stats.acceptance_rate, survival, costs.cost_ratio_c,
                         costs.verify_cost_ratio, speedups, best_k, best_speedup)
+
+
+def profile_lookup(target_path: Path, prompts: list[str], k_max: int, max_new_tokens: int, device: str,
+                   dtype: str, cost_repeats: int = 15) -> DraftProfile:
+    """N-gram lookups alone: acceptance per position per target step, c = 0 (no model proposes)."""
+    from ..executor import SpeculativeExecutor
+    from .runner import fit_prompt
+    from .timing import measure_costs
+
+    executor = SpeculativeExecutor.from_pretrained(target_path, None, max_draft_len=k_max, device=device,
+                                                   dtype=dtype, method="ngram")
+    ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
+    results = executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max)
+    stats = _total(results)
+    # Per target step, not per proposal: a step where nothing matched emits one token at full cost.
+    accepted_at = stats.accepted_at + [0] * (k_max - len(stats.accepted_at))
+    survival = [a / stats.target_steps for a in accepted_at[:k_max]]
+    costs = measure_costs(executor.target, None, _context(ids, results, k_max), k_max, repeats=cost_repeats)
+    speedups = speedups_from_survival(survival, 0.0, costs.verify_cost_ratio)
+    best_k, best_speedup = best_k_from_survival(survival, 0.0, costs.verify_cost_ratio)
+    return DraftProfile("ngram", "ok", "", stats.acceptance_rate, survival, 0.0, costs.verify_cost_ratio,
+                        speedups, best_k, best_speedup, method="ngram")
+
+
+def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str], k_max: int,
+                   max_new_tokens: int, device: str, dtype: str) -> DraftProfile:
+    """ngram+draft at K = k_max, costed with the draft's measured c and verify cost."""
+    from ..executor import SpeculativeExecutor
+    from .runner import fit_prompt
+
+    executor = SpeculativeExecutor.from_pretrained(target_path, draft_path, max_draft_len=k_max, device=device,
+                                                   dtype=dtype, method="ngram+draft")
+    ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
+    stats = _total(executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max))
+    steps = stats.target_steps
+    draft_steps = stats.by_proposer.get("draft_model", [0, 0, 0])[2]
+    lookup_steps = stats.by_proposer.get("ngram", [0, 0, 0])[2]
+    share = draft_steps / max(draft_steps + lookup_steps, 1)
+    verify = draft.verify_cost_ratio[k_max - 1]
+    cost_per_step = verify + (draft_steps / steps) * k_max * draft.cost_ratio_c
+    speedup = (stats.generated_tokens / steps) / cost_per_step
+    return DraftProfile(f"ngram+{draft.draft}", "ok", "", stats.acceptance_rate, [], draft.cost_ratio_c,
+                        draft.verify_cost_ratio, [], k_max, speedup, method="ngram+draft", draft_step_share=share)
+
+
+def _total(results):
+    stats = results[0].stats
+    for result in results[1:]:
+        stats = stats.merge(result.stats)
+    return stats
+
+
+def _context(ids, results, k_max: int) -> list[int]:
+    # The longest prompt plus its generated tokens gives a realistic attention length to time at.
+    context = max((p + r.token_ids for p, r in zip(ids, results)), key=len)
+    return context if len(context) >= k_max + 1 else (context * (k_max + 1))[:k_max + 1]
 
 
 def recommendation(profiles: list[DraftProfile]) -> str:
@@ -88,8 +151,15 @@ def recommendation(profiles: list[DraftProfile]) -> str:
     if best.best_speedup <= 1.0:
         return (f"recommend: serve the target alone; the best candidate ({best.draft}, K={best.best_k}) is "
                 f"expected at {best.best_speedup:.2f}x, not faster than target-only decoding")
-    return (f"recommend: draft {best.draft} with speculative.max_draft_len: {best.best_k} "
-            f"(expected {best.best_speedup:.2f}x over target-only decoding)")
+    if best.method == "ngram":
+        return (f"recommend: speculative.method: ngram with speculative.max_draft_len: {best.best_k}, no draft "
+                f"model (expected {best.best_speedup:.2f}x over target-only decoding)")
+    if best.method == "ngram+draft":
+        return (f"recommend: speculative.method: ngram+draft with draft {best.draft.removeprefix('ngram+')} and "
+                f"speculative.max_draft_len: {best.best_k} (expected {best.best_speedup:.2f}x over target-only "
+                f"decoding)")
+    return (f"recommend: speculative.method: draft_model with draft {best.draft} and speculative.max_draft_len: "
+            f"{best.best_k} (expected {best.best_speedup:.2f}x over target-only decoding)")
 
 
 def format_profiles(profiles: list[DraftProfile]) -> str:
@@ -111,8 +181,9 @@ def _resolve_draft(name: str, config) -> Path | None:
     from ..errors import ModelError
     from ..models import resolve_model
 
-    own = name == config.draft.model
-    spec = config.draft if own else ModelSpec(model=name, dtype=config.draft.dtype)
+    own = config.draft is not None and name == config.draft.model
+    spec = config.draft if own else ModelSpec(model=name, dtype=config.target.dtype if config.draft is None
+                                              else config.draft.dtype)
     try:
         return resolve_model(spec, "draft", config.base_dir if own else Path.cwd()).path
     except ModelError:
@@ -142,9 +213,17 @@ def cmd_profile(args) -> int:
     from tqdm import tqdm
 
     profiles = []
-    for name in tqdm(args.draft or [config.draft.model], desc="profile", unit="draft"):
-        profiles.append(profile_draft(target, name, _resolve_draft(name, config), prompts, args.k_max,
+    names = args.draft or ([config.draft.model] if config.draft is not None else [])
+    for name in tqdm(names, desc="profile", unit="draft"):
+        path = _resolve_draft(name, config)
+        profiles.append(profile_draft(target, name, path, prompts, args.k_max,
                                       args.max_new_tokens, device, config.target.dtype))
+        if not args.no_ngram and profiles[-1].status == "ok":
+            profiles.append(profile_hybrid(target, profiles[-1], path, prompts, args.k_max, args.max_new_tokens,
+                                           device, config.target.dtype))
+    if not args.no_ngram:
+        profiles.append(profile_lookup(target, prompts, args.k_max, args.max_new_tokens, device,
+                                       config.target.dtype))
     print(format_profiles(profiles))
     for p in profiles:
         print(p.reasoning())
