@@ -9,7 +9,7 @@ CONFIG ?= configs/tiny.yaml
 TINY_PAIR := models/tiny/pair.json
 ARGS ?=
 
-.PHONY: setup build-engines check convert build run deploy serve bench profile train-pair test clean-engines
+.PHONY: setup build-engines check convert build run deploy serve bench bench-serve profile train-pair test clean-engines
 
 # The venv is rebuilt when pyproject.toml changes; torch is pinned so pip takes the local CPU wheel.
 $(VENV)/.installed: pyproject.toml
@@ -50,6 +50,10 @@ run: $(VENV)/.installed
 
 deploy serve bench profile: $(VENV)/.installed $(PAIR_DEP)
 	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+
+# Serving under concurrent clients (engine + a real tritonserver on loopback); one torch thread, as the tests use.
+bench-serve: $(VENV)/.installed $(PAIR_DEP)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pipeline bench-serve $(CONFIG) $(ARGS)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q tests $(ARGS)

@@ -27,8 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
+from pathlib import Path
 
 from .timing import percentile
 
@@ -51,14 +50,24 @@ class _Timing:
     last_s: float = 0.0  # the response completed
     itl_s: list[float] = field(default_factory=list)  # [tokens after the first step] per-token gaps
     error: str | None = None
+    drafted: int = 0  # draft tokens proposed, accepted by the target, and target steps (the request's stats)
+    accepted: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)  # perf_counter at send
+
+    def queued_since(self, queued: float) -> None:
+        """Count a wait before the send (one-at-a-time's lock) into TTFT and latency, as the client saw it."""
+        wait = self.started - queued
+        self.first_s = None if self.first_s is None else self.first_s + wait
+        self.last_s += wait
 
 
 class _Arrivals:
     """Turns arrival times of token groups into a _Timing (a group of n after a gap t: n gaps of t / n)."""
 
     def __init__(self) -> None:
-        self.start = time.perf_counter()
         self.timing = _Timing()
+        self.start = self.timing.started
         self._last: float | None = None
 
     def arrived(self, count: int, now: float | None = None) -> None:
@@ -96,6 +105,7 @@ class EngineClient:
                 finished.set()
                 return
             clock.arrived(len(event.token_ids))
+            _take_stats(clock.timing, event.stats.draft_tokens, event.stats.accepted_tokens, event.stats.target_steps)
             if event.finished:
                 finished.set()
 
@@ -107,7 +117,16 @@ class EngineClient:
         pass
 
 
+STAT_OUTPUTS = ("draft_tokens", "accepted_tokens", "target_steps")  # the request's running totals
+
+
+def _take_stats(timing: _Timing, drafted: int, accepted: int, steps: int) -> None:
+    timing.drafted, timing.accepted, timing.steps = drafted, accepted, steps
+
+
 def _inputs(module, prompt_ids: list[int], max_tokens: int, k: int | None) -> list:
+    import numpy as np
+
     arrays = {"input_ids": np.array([prompt_ids], dtype=np.int32),
               "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
     if k is not None:
@@ -130,12 +149,14 @@ class TritonHttpClient:
         self.client = httpclient.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
 
     def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> _Timing:
-        start = time.perf_counter()
+        timing = _Timing()
         result = self.client.infer(self.model, _inputs(self.module, prompt_ids, max_tokens, k))
-        elapsed = time.perf_counter() - start
-        tokens = int(result.as_numpy("output_ids").size)
+        timing.last_s = time.perf_counter() - timing.started
+        timing.tokens = int(result.as_numpy("output_ids").size)
         # No per-token arrivals: ITL is the whole request's time spread evenly over its tokens.
-        return _Timing(tokens, None, elapsed, [elapsed / tokens] * tokens if tokens else [])
+        timing.itl_s = [timing.last_s / timing.tokens] * timing.tokens
+        _take_stats(timing, *(int(result.as_numpy(name).reshape(-1)[0]) for name in STAT_OUTPUTS))
+        return timing
 
     def close(self) -> None:
         self.client.close()
@@ -163,6 +184,7 @@ class TritonStreamClient:
                 clock.timing.error = str(error)
                 break
             clock.arrived(int(result.as_numpy("output_ids").size), now)
+            _take_stats(clock.timing, *(int(result.as_numpy(name).reshape(-1)[0]) for name in STAT_OUTPUTS))
             if result.as_numpy("finish_reason").reshape(-1)[0]:  # "" until the final response
                 break
         return clock.done()
@@ -193,10 +215,10 @@ def run_load(make_client: Callable[[], object], prompts: list[list[int]], reques
                 if lock is None:
                     timings[i] = clients[slot].send(prompt, max_tokens, k)
                 else:
-                    with lock:  # TTFT includes the wait for the lock, as a queued client would see it
-                        queued = time.perf_counter()
+                    queued = time.perf_counter()
+                    with lock:
                         timings[i] = clients[slot].send(prompt, max_tokens, k)
-                    _shift(timings[i], queued)
+                    timings[i].queued_since(queued)  # the lock's wait is queueing, as in the batched modes
         except BaseException as exc:  # noqa: BLE001 - reported once every thread has stopped
             errors.append(exc)
 
@@ -216,12 +238,6 @@ def run_load(make_client: Callable[[], object], prompts: list[list[int]], reques
     return timings, wall  # type: ignore[return-value]
 
 
-def _shift(timing: _Timing, _queued: float) -> None:
-    """Hook for the lock wait: the lock is taken before _Arrivals starts, so the wait is outside the request's
-    own clock. Kept explicit: one-at-a-time TTFT/latency here are per request once served, and the queueing
-    cost shows in tokens/s and requests/s (the lock's wait is what the batched modes remove)."""
-
-
 def summarize(timings: list[_Timing], wall_s: float) -> dict:
     tokens = sum(t.tokens for t in timings)
     itl = [x for t in timings for x in t.itl_s]
@@ -231,7 +247,10 @@ def summarize(timings: list[_Timing], wall_s: float) -> dict:
     def ms(values: list[float], q: float) -> float | None:
         return round(1000 * percentile(values, q), 3) if values else None
 
+    drafted, steps = sum(t.drafted for t in timings), sum(t.steps for t in timings)
     return {"requests": len(timings), "tokens": tokens, "wall_s": round(wall_s, 4),
+            "mean_draft_len": round(drafted / steps, 3) if steps else None,
+            "acceptance_rate": round(sum(t.accepted for t in timings) / drafted, 3) if drafted else None,
             "tokens_per_s": round(tokens / wall_s, 2), "requests_per_s": round(len(timings) / wall_s, 3),
             "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
             "ttft_ms_p50": ms(firsts, 50), "ttft_ms_p99": ms(firsts, 99),
@@ -339,7 +358,8 @@ def targets_met(records: list[dict]) -> list[str]:
 
 def format_serving_table(records: list[dict]) -> str:
     head = (f"{'path':13s} {'mode':17s} {'C':>3s} {'K':>8s} {'tok/s':>8s} {'req/s':>7s} {'ITL p50':>8s} "
-            f"{'ITL p99':>8s} {'TTFT p50':>8s} {'TTFT p99':>8s} {'lat p99':>8s} {'x1-at-a-time':>12s} {'x target':>8s}")
+            f"{'ITL p99':>8s} {'TTFT p50':>8s} {'TTFT p99':>8s} {'lat p99':>8s} {'mean K':>6s} {'accept':>6s} "
+            f"{'x1-at-a-time':>12s} {'x target':>8s}")
     lines = [head, "-" * len(head)]
 
     def f(value, digits=1):
@@ -349,6 +369,145 @@ def format_serving_table(records: list[dict]) -> str:
         lines.append(f"{r['path']:13s} {r['mode']:17s} {r['concurrency']:3d} {str(r['k']):>8s} "
                      f"{r['tokens_per_s']:8.1f} {r['requests_per_s']:7.2f} {f(r['itl_ms_p50']):>8s} "
                      f"{f(r['itl_ms_p99']):>8s} {f(r['ttft_ms_p50']):>8s} {f(r['ttft_ms_p99']):>8s} "
-                     f"{f(r['latency_ms_p99'], 0):>8s} {f(r.get('speedup_vs_one_at_a_time'), 2):>12s} "
+                     f"{f(r['latency_ms_p99'], 0):>8s} {f(r['mean_draft_len'], 2):>6s} {f(r['acceptance_rate'], 2):>6s} "
+                     f"{f(r.get('speedup_vs_one_at_a_time'), 2):>12s} "
                      f"{f(r.get('speedup_vs_target_only'), 2):>8s}")
     return "\n".join(lines)
+
+
+# ---- the command ----------------------------------------------------------------------------------------------
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _name_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def add_bench_serve_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "bench-serve", help="serving under concurrent clients: one-at-a-time vs batched target-only vs speculative",
+        description="C client threads send their share of N greedy requests through the Python engine and through "
+                    "a real tritonserver on loopback, in each mode; tokens/s, requests/s, ITL and TTFT p50/p99 per "
+                    "(path, mode, C), best of interleaved rounds; plus batch-1 target-only vs HF generate. Writes "
+                    "engines/<name>/bench/serving.json and serving.png.")
+    common(p)
+    p.add_argument("--concurrency", type=_int_list, default=[1, 4, 16, 32], help="comma list (default 1,4,16,32)")
+    p.add_argument("--requests", type=int, default=64, help="requests per (path, mode, C) (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each cell keeps its best (default 2)")
+    p.add_argument("--modes", type=_name_list, default=list(MODES), help=f"comma list (default {','.join(MODES)})")
+    p.add_argument("--paths", type=_name_list, default=list(PATHS), help=f"comma list (default {','.join(PATHS)})")
+    p.add_argument("--prompt-set", default="code", help="built-in prompt set (default code)")
+    p.add_argument("--num-prompts", type=int, default=8, help="distinct prompts, sent in turn (default 8)")
+    p.add_argument("--hf-rounds", type=int, default=3,
+                   help="rounds of batch-1 target-only vs HF generate (0 skips it; default 3)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default engines/<name>/bench)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now (another process may take it first; rare on loopback)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def start_triton(config, engines_dir, log_path):
+    """Deploy the engines and start tritonserver on free loopback ports; the caller stops it."""
+    from ..triton.repository import deploy
+    from ..triton.server import Endpoints, TritonServer
+
+    repo = deploy(config, engines_dir).path
+    endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
+    return TritonServer(repo, endpoints, log_path=log_path).start(ready_timeout_s=400)
+
+
+def cmd_bench_serve(args) -> int:
+    import json
+    import os
+
+    from ..config import load_config
+    from ..errors import PipelineError
+    from ..executor import SpeculativeExecutor
+    from ..executor.serving import EngineLoop
+    from .cli import _check_range
+    from .prompts import load_prompt_set, pair_seed_of
+    from .runner import fit_prompt, git_commit, machine_info, timestamp
+    from .serving_plot import plot_serving
+
+    options = ServeOptions(concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+                           rounds=args.rounds, modes=args.modes, paths=args.paths, hf_rounds=args.hf_rounds)
+    _check_range("--max-tokens", options.max_tokens, 2, fix="latency needs at least two tokens")
+    _check_range("--requests", options.requests, 1)
+    _check_range("--rounds", options.rounds, 1)
+    _check_range("--hf-rounds", options.hf_rounds, 0)
+    for c in options.concurrency:
+        _check_range("--concurrency", c, 1, options.requests, fix="each client needs at least one request")
+    for flag, values, known in (("--modes", options.modes, MODES), ("--paths", options.paths, PATHS)):
+        bad = [v for v in values if v not in known]
+        if bad:
+            raise PipelineError(f"{flag}: {', '.join(bad)} unknown; choose from {', '.join(known)}")
+    config = load_config(args.config)
+    root = args.engines_dir / config.name
+    if not (root / "target" / "build").is_dir():
+        raise PipelineError(f"{root}: no built engines; run `python -m pipeline build {args.config}` first")
+    target_folder = config.base_dir / config.target.model
+    pair_seed = pair_seed_of(target_folder) if target_folder.is_dir() else 0
+    try:
+        texts = load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    device = None if config.runtime.device == "auto" else config.runtime.device
+    executor = SpeculativeExecutor.from_engines(root, device=device, adaptive_draft_len=True)
+    prompts = [fit_prompt(executor, text, options.max_tokens) for text in texts]
+    k = executor.max_draft_len
+    started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])
+
+    batch1 = None
+    if options.hf_rounds:  # before the EngineLoop exists: it runs on the executor's engine directly
+        batch1 = batch1_target_vs_hf(executor, prompts, options.max_tokens, options.hf_rounds)
+        print(f"batch 1, target only: ours {batch1['target_tokens_per_s']:.1f} tok/s, HF generate "
+              f"{batch1['hf_target_tokens_per_s']:.1f} tok/s ({batch1['target_vs_hf']:.2f}x)")
+    out_dir = args.out or args.engines_dir / config.name / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loop = EngineLoop(executor.engine)
+    clients: dict[str, Callable[[], object]] = {"engine": lambda: EngineClient(executor, loop)}
+    server = None
+    try:
+        if {"triton", "triton_stream"} & set(options.paths):
+            server = start_triton(config, args.engines_dir, out_dir / "serving-tritonserver.log")
+            clients["triton"] = lambda: TritonHttpClient(server.endpoints.http)
+            clients["triton_stream"] = lambda: TritonStreamClient(server.endpoints.grpc)
+        clients = {path: make for path, make in clients.items() if path in options.paths}
+        records = run_matrix(clients, prompts, options, k)
+    finally:
+        loop.stop()
+        if server is not None:
+            server.stop()
+    add_ratios(records)
+    results = {
+        "config": config.name, "started": started, "finished": timestamp(), "git_commit": commit,
+        "machine": {**machine_info(str(executor.device)), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        "options": {**options.to_dict(), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+                    "decoding": "greedy", "max_batch_size": executor.max_batch_size, "k": k,
+                    "adaptive_draft_len": True},
+        "records": records, "batch1_target_vs_hf": batch1, "targets": targets_met(records),
+    }
+    tmp = out_dir / "serving.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out_dir / "serving.json")
+    machine = results["machine"]
+    plot = plot_serving(records, out_dir / "serving.png",
+                        f"{config.name}: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} "
+                        f"torch threads), {options.max_tokens} tokens/request greedy, engine batch "
+                        f"{executor.max_batch_size}, K={k}")
+    print(format_serving_table(records))
+    for line in results["targets"]:
+        print(line)
+    print(f"wrote {out_dir / 'serving.json'} and {plot}")
+    return 0
