@@ -26,18 +26,28 @@ PRIOR_WEIGHT = 8.0  # draft tokens' worth of weight on the engine-wide rate in a
 
 
 class ForwardCost:
-    """Seconds one forward takes as a function of the tokens it processes (all rows together).
+    """Seconds one step phase takes as a function of the tokens it processes (all rows together).
 
-    Keeps the minimum seen per token count (the machine is shared; the minimum is the least noisy estimate of what
-    the forward costs) and interpolates linearly between measured counts.
+    Calibration seeds each token count with the minimum of a few plain forwards; the engine's own phases (the
+    forward plus the sampling and bookkeeping around it, which a small model on a CPU is dominated by) then move
+    it by an exponential moving average, so the model follows what a step really costs on this machine.
     """
+
+    SMOOTHING = 0.2  # weight of the newest measurement
 
     def __init__(self):
         self.points: dict[int, float] = {}
 
-    def record(self, tokens: int, seconds: float) -> None:
-        if tokens > 0 and seconds > 0:
-            self.points[tokens] = min(seconds, self.points.get(tokens, float("inf")))
+    def record(self, tokens: int, seconds: float, measured: bool = False) -> None:
+        if tokens <= 0 or seconds <= 0:
+            return
+        old = self.points.get(tokens)
+        if old is None:
+            self.points[tokens] = seconds
+        elif measured:
+            self.points[tokens] = (1 - self.SMOOTHING) * old + self.SMOOTHING * seconds
+        else:
+            self.points[tokens] = min(seconds, old)
 
     def __call__(self, tokens: int) -> float:
         if not self.points:

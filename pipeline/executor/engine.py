@@ -13,6 +13,8 @@ its own request (each has its own generator, and the mask keeps rows from seeing
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample
@@ -125,6 +127,7 @@ class SpeculativeEngine:
     def _propose_with_model(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]],
                             probs: list[list[torch.Tensor]]) -> None:
         for position in range(max(ks, default=0)):
+            start = time.perf_counter()
             inputs = []
             for row, request in enumerate(rows):
                 if position >= ks[row]:
@@ -135,7 +138,6 @@ class SpeculativeEngine:
                     inputs.append([drafts[row][-1]])
             used = max(row for row, tokens in enumerate(inputs) if tokens) + 1
             logits = self.draft.forward(inputs[:used])[..., :self.vocab_size]  # [used, width, V]
-            self._record("draft", used * logits.shape[1], self.draft)
             greedy = logits.argmax(-1)  # [used, width]
             for row in range(used):
                 if not inputs[row]:
@@ -147,14 +149,16 @@ class SpeculativeEngine:
                     row_probs = logits_to_probs(logits[row, last][None], request.params)  # [1, V]
                     drafts[row].append(int(sample(row_probs, request.generator)))
                     probs[row].append(row_probs)
+            # One draft position costs its forward plus the per-row sampling around it: record both.
+            self._record("draft", used, time.perf_counter() - start)
 
     def _verify(self, rows: list[SpecRequest], drafts: list[list[int]], draft_probs: list[list[torch.Tensor]],
                 kinds: list[str | None]) -> list[tuple[SpecRequest, StreamEvent]]:
         """Steps 3-5: one target forward for all rows, then accept and roll back per row."""
+        start = time.perf_counter()
         ks = [len(tokens) for tokens in drafts]
         inputs = [request.sequence[self.target.length(row):] + drafts[row] for row, request in enumerate(rows)]
         logits = self.target.forward(inputs)[..., :self.vocab_size]  # [rows, width, V]
-        self._record("target", logits.shape[0] * logits.shape[1], self.target)
         # Row r's logits at padded position firsts[r] + j predict its draft token j (j = k_r: the bonus token).
         firsts = [len(inputs[row]) - ks[row] - 1 for row in range(len(rows))]
         outcome = self._accept_greedy(rows, ks, drafts, firsts, logits)
@@ -174,6 +178,7 @@ class SpeculativeEngine:
             if self.policy is not None:
                 self.policy.observe(ks[row], accepted)
             events.append((request, request.advance(tokens, ks[row], accepted, proposer=kinds[row])))
+        self._record("target", logits.shape[0] * logits.shape[1], time.perf_counter() - start)
         return events
 
     def _accept_greedy(self, rows: list[SpecRequest], ks: list[int], drafts: list[list[int]], firsts: list[int],
@@ -209,12 +214,12 @@ class SpeculativeEngine:
         accepted = int(num_accepted[0])
         return output[0, :accepted + 1].tolist(), accepted
 
-    def _record(self, role: str, tokens: int, runner: BatchModelRunner) -> None:
-        seconds = runner.last_seconds
+    def _record(self, role: str, tokens: int, seconds: float) -> None:
+        """One step phase's cost: a draft position (``tokens`` = rows) or the verify (rows x width tokens)."""
         mean = self._seconds[role]
         self._seconds[role] = seconds if mean == 0 else 0.9 * mean + 0.1 * seconds
         if self.policy is not None:
-            getattr(self.policy, role).record(tokens, seconds)
+            getattr(self.policy, role).record(tokens, seconds, measured=True)
 
     def _retire(self) -> None:
         moves, freed = self.scheduler.retire()

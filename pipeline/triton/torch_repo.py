@@ -35,7 +35,8 @@ INPUTS: list[tuple[str, str, list[int]]] = [
 ]
 REQUIRED_INPUTS = {"max_tokens"}  # text_input XOR input_ids is checked by the model
 # The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.
-ENGINE_INPUTS: list[tuple[str, str, list[int]]] = [("request_key", "STRING", [1]), ("cancel_request", "STRING", [1])]
+ENGINE_INPUTS: list[tuple[str, str, list[int]]] = [("request_key", "STRING", [1]), ("cancel_request", "STRING", [1]),
+                                                   ("final_only", "BOOL", [1])]
 
 OUTPUTS: list[tuple[str, str, list[int]]] = [
     ("text_output", "STRING", [1]),

@@ -19,7 +19,9 @@ the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_que
 """
 
 import json
+import queue
 import sys
+import threading
 import uuid
 
 import numpy as np
@@ -34,6 +36,8 @@ COUNTERS = [
 ]
 KEY_INPUT = "request_key"  # set by the proxy on the requests it forwards
 CANCEL_INPUT = "cancel_request"  # a request holding only this cancels the engine request with that key
+FINAL_ONLY_INPUT = "final_only"  # set by the proxy: one response at the end instead of one per step
+PROXY_POLL_S = 0.02  # how often a proxy waiting for its answer checks whether its client went away
 OUTPUT_NAMES = ["text_output", "output_ids", "finish_reason", "prompt_tokens", "draft_tokens", "accepted_tokens",
                 "target_steps", "acceptance_rate", "mean_accepted_len"]
 
@@ -72,11 +76,29 @@ class TritonPythonModel:
         self.k_limit = self.executor.draft_len_limit or self.executor.max_draft_len
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
+        # Responses leave through their own thread: IPC to Triton then overlaps the next step's forwards instead
+        # of stalling the engine once per row per step.
+        self.outbox = queue.SimpleQueue()
+        self.sender_thread = threading.Thread(target=self._send_loop, name="responses", daemon=True)
+        self.sender_thread.start()
         self.loop = EngineLoop(self.executor.engine, on_step=self._on_step)
 
     def finalize(self):
         if self.role == "engine":
             self.loop.stop()
+            self.outbox.put(None)
+            self.sender_thread.join(10)
+
+    def _send_loop(self):
+        while True:
+            item = self.outbox.get()
+            if item is None:
+                return
+            sender, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+            except Exception:  # noqa: BLE001 - the client is gone; the engine notices through is_cancelled
+                pass
 
     def execute(self, requests):
         if self.role == "proxy":
@@ -101,18 +123,26 @@ class TritonPythonModel:
             sender.send(self._error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         prompt_tokens = len(spec_request.prompt_ids)
+        final_only = bool(_scalar_input(request, FINAL_ONLY_INPUT))
+        final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
         def on_event(event):
             if isinstance(event, BaseException):
-                sender.send(self._error_response(event), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                self.outbox.put((sender, self._error_response(event), final))
                 return
             if event.finish_reason == "cancelled":  # the client went away: count it, answer if it still listens
                 self.cancelled_requests.increment(1)
             elif event.finished:
                 self._count(event.stats)
+            if final_only and not event.finished:
+                return
+            if final_only:  # the whole answer in one response
+                text, ids = self.executor.decode(spec_request.generated), spec_request.generated
+            else:
+                text, ids = event.text, event.token_ids
             response = pb_utils.InferenceResponse(output_tensors=_tensors(
-                event.text, event.token_ids, event.finish_reason or "", prompt_tokens, event.stats))
-            sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.finished else 0)
+                text, ids, event.finish_reason or "", prompt_tokens, event.stats))
+            self.outbox.put((sender, response, final if event.finished else 0))
 
         self.loop.submit(spec_request, on_event, is_cancelled=sender.is_cancelled,
                          key=_string_input(request, KEY_INPUT))
@@ -125,12 +155,26 @@ class TritonPythonModel:
 
     def _proxy(self, request):
         key = uuid.uuid4().hex
-        inputs = [t for t in request.inputs() if t.name() not in (KEY_INPUT, CANCEL_INPUT)]
+        inputs = [t for t in request.inputs() if t.name() not in (KEY_INPUT, CANCEL_INPUT, FINAL_ONLY_INPUT)]
         inputs.append(pb_utils.Tensor(KEY_INPUT, np.array([[key.encode()]], dtype=np.object_)))
+        inputs.append(pb_utils.Tensor(FINAL_ONLY_INPUT, np.array([[True]], dtype=np.bool_)))
         forward = pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs,
                                             requested_output_names=OUTPUT_NAMES)
+        # The engine answers once, at the end; meanwhile this thread watches for the client going away.
+        answers = []
+        worker = threading.Thread(target=lambda: answers.extend(forward.exec(decoupled=True)), daemon=True)
+        worker.start()
+        while worker.is_alive():
+            worker.join(PROXY_POLL_S)
+            if worker.is_alive() and request.is_cancelled():
+                self._cancel_forward(key)
+                worker.join()
+                self.cancelled_requests.increment(1)
+                error = pb_utils.TritonError("request cancelled by the client",
+                                             getattr(pb_utils.TritonError, "CANCELLED", None))
+                return pb_utils.InferenceResponse(output_tensors=[], error=error)
         text, ids, last = [], [], None
-        for response in forward.exec(decoupled=True):
+        for response in answers:
             if response.has_error():
                 return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=response.error()))
             outputs = {name: pb_utils.get_output_tensor_by_name(response, name) for name in OUTPUT_NAMES}
@@ -139,12 +183,6 @@ class TritonPythonModel:
             text.append(outputs["text_output"].as_numpy().reshape(-1)[0])
             ids.extend(outputs["output_ids"].as_numpy().reshape(-1).tolist())
             last = outputs
-            if request.is_cancelled():
-                self._cancel_forward(key)
-                self.cancelled_requests.increment(1)
-                error = pb_utils.TritonError("request cancelled by the client",
-                                             getattr(pb_utils.TritonError, "CANCELLED", None))
-                return pb_utils.InferenceResponse(output_tensors=[], error=error)
         if last is None:
             error = pb_utils.TritonError("internal error: the engine model returned no response")
             return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=error))
@@ -204,6 +242,11 @@ class TritonPythonModel:
 def _input(request, name):
     tensor = pb_utils.get_input_tensor_by_name(request, name)
     return None if tensor is None else tensor.as_numpy()
+
+
+def _scalar_input(request, name):
+    value = _input(request, name)
+    return None if value is None or value.size == 0 else value.reshape(-1)[0]
 
 
 def _string_input(request, name):
