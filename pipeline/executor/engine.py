@@ -26,6 +26,10 @@ from .request import SpecRequest
 from .results import StreamEvent
 from .scheduler import Scheduler
 
+# With adaptive K, one step in this many runs without drafting (rows that named their K, and seeded sampling rows,
+# still draft): plain steps are otherwise never measured once drafting wins, and stale costs would keep it winning.
+EXPLORE_EVERY = 16
+
 
 class SpeculativeEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
@@ -43,6 +47,7 @@ class SpeculativeEngine:
         self.scheduler = Scheduler(max_batch)
         self.ngram = ngram or NgramSettings()
         self._seconds = {"draft": 0.0, "target": 0.0}  # running means of one forward's time (cost ratio c)
+        self._steps = 0
         self.policy = DraftPolicy(k_max) if adaptive_k and draft_model is not None and k_max > 0 else None
         if self.policy is not None:
             self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
@@ -101,8 +106,12 @@ class SpeculativeEngine:
     def _draft_lens(self, rows: list[SpecRequest]) -> list[int]:
         cap = None
         if self.policy is not None:
-            rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
-            cap = self.policy.choose(rates, [r.draft_len() for r in rows])
+            self._steps += 1
+            if self._steps % EXPLORE_EVERY == 0:
+                cap = 0  # measure what a plain step costs at this batch now and then, so K competes with real data
+            else:
+                rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
+                cap = self.policy.choose(rates, [r.draft_len() for r in rows])
         return [r.draft_len(cap) for r in rows]
 
     def _propose(self, rows: list[SpecRequest], ks: list[int]
