@@ -18,7 +18,9 @@ from pipeline.speculative.ngram import one_hot_probs, propose_ngram
     ([1, 2, 1, 3, 1], 2, {"min_match": 2}, []),  # only a 1-token match, below min_match
     ([1, 2, 1, 3, 1], 2, {}, [3, 1]),  # most recent 1-token match wins
     ([7, 8, 1, 9, 9, 7, 8, 1, 5, 7, 8], 4, {}, [1, 5, 7, 8]),  # most recent of two equal-length matches
-    ([7, 8, 1, 9, 9, 7, 8, 1, 5, 8], 4, {}, [1, 5, 8]),  # the 1-token match is the latest; follow runs to the end
+    ([7, 8, 1, 9, 9, 7, 8, 1, 5, 8], 4, {}, [1, 9, 9, 7]),  # equal matches: a full-length proposal beats a recent
+    # one that runs into the end of the sequence
+    ([5, 1, 2, 9, 1, 2], 3, {}, [9, 1, 2]),  # the only match's proposal may itself reach the end
     ([3, 3, 3], 0, {}, []),
 ])
 def test_lookup(tokens, k, kw, expected):

@@ -16,30 +16,33 @@ from torch import Tensor
 
 
 def propose_ngram(tokens: Sequence[int], k: int, min_match: int = 1, max_match: int = 4) -> list[int]:
-    """Up to ``k`` tokens that followed the most recent earlier occurrence of the sequence's longest suffix.
+    """Up to ``k`` tokens that followed an earlier occurrence of the sequence's longest recurring suffix.
 
-    Tries suffix lengths from ``max_match`` down to ``min_match``; the first length with an earlier occurrence
-    wins (a longer match predicts better). Returns [] when no suffix of at least ``min_match`` tokens recurs.
+    The longest match (up to ``max_match`` tokens) wins, since a longer match predicts better; among equally long
+    matches, one followed by a full ``k`` tokens beats one that runs into the end of the sequence (a short proposal
+    wastes the verify's width), and then the most recent wins (nearby context predicts best). Returns [] when no
+    suffix of at least ``min_match`` tokens recurs.
     """
     n = len(tokens)
     if k <= 0 or n < 2:
         return []
     seq = list(tokens)
     last = seq[-1]
-    best_len, best_end = 0, -1
-    # Candidates end where the last token recurs; scan most recent first (nearby context predicts best) and keep
-    # the longest match, up to max_match. One pass of integer compares: cheap even for long prompts.
+    best, best_end = (0, 0), -1  # (match length, proposal length), compared in that order
+    # Candidates end where the last token recurs; scanned most recent first, so ties keep the most recent. One pass
+    # of integer compares: cheap even for long prompts.
     for end in range(n - 2, -1, -1):
         if seq[end] != last:
             continue
         size = 1
         while size < max_match and end - size >= 0 and seq[end - size] == seq[n - 1 - size]:
             size += 1
-        if size > best_len:
-            best_len, best_end = size, end
-            if size == max_match:
+        score = (size, min(n - 1 - end, k))
+        if score > best:
+            best, best_end = score, end
+            if score == (max_match, k):
                 break
-    if best_len < min_match:
+    if best[0] < min_match:
         return []
     return seq[best_end + 1:best_end + 1 + k]
 
