@@ -91,3 +91,20 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int 
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
+
+
+def tiny_vocab_model(seed: int, scale: float = 6.0, vocab: int = 6):
+    """A 1-layer random Llama over ``vocab`` tokens: exact joint distributions are cheap to enumerate. ``scale``
+    sharpens its distributions, so two seeds give a draft and a target that clearly differ."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                      eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+

@@ -11,7 +11,9 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import tiny_vocab_model
 
 from pipeline.executor import SpeculativeExecutor
 from pipeline.executor.draft_policy import DraftPolicy
@@ -84,17 +86,6 @@ def test_seeded_sampling_does_not_depend_on_neighbours(pair):
     assert other.token_ids != alone.token_ids  # the seed matters
 
 
-def _tiny_vocab_model(seed: int, scale: float):
-    cfg = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)
-    return model
-
-
 @torch.no_grad()
 def _exact_joint(model, prompt: list[int], temperature: float) -> torch.Tensor:
     def probs(ids):
@@ -108,7 +99,7 @@ def test_sampling_under_batching_follows_the_target_distribution():
     """Probe requests sampled among neighbours with other temperatures, K and prompts: their first two tokens
     follow the target's exact joint at the probe temperature (TV bound 0.07 at 3000 samples; the draft's own joint
     is > 0.3 away, so the test can tell them apart)."""
-    target, draft = _tiny_vocab_model(1, 6.0), _tiny_vocab_model(2, 6.0)
+    target, draft = tiny_vocab_model(1), tiny_vocab_model(2)
     prompt, temperature = [1, 4, 2], 0.7
     exact = _exact_joint(target, prompt, temperature)
     assert 0.5 * (exact - _exact_joint(draft, prompt, temperature)).abs().sum() > 0.3

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from conftest import tiny_vocab_model
 
 from pipeline.executor import SpeculativeExecutor
 from pipeline.executor.proposers import NgramSettings
@@ -95,22 +97,11 @@ def test_ngram_needs_no_draft_and_draft_model_needs_one(pair):
     assert ex.has_draft and ex.engine.draft is None
 
 
-def _tiny_vocab_model(seed: int):
-    cfg = LlamaConfig(vocab_size=6, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      eos_token_id=None, bos_token_id=None)
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(6.0)
-    return model
-
-
 @pytest.mark.parametrize("method, temperature, top_k", [("ngram", 0.8, 0), ("ngram+draft", 1.3, 4)])
 def test_sampled_output_follows_the_target_distribution(method, temperature, top_k):
     """Lookups are one-hot proposals; the first two sampled tokens must still follow the target's exact joint
     (TV < 0.07 at 3000 samples) and lookups must really have been proposed (the prompt repeats)."""
-    target, draft = _tiny_vocab_model(1), _tiny_vocab_model(2)
+    target, draft = tiny_vocab_model(1), tiny_vocab_model(2)
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]
 
     def probs(ids):
