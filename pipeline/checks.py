@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
 from .errors import CompatibilityError
-from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights
+from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights, weights_nonfinite
 
 # Architectures TensorRT-LLM 1.1's checkpoint converters handle for the draft-target path: the decoder-only
 # causal-LM keys of tensorrt_llm/models/__init__.py MODEL_MAP (encoders, vision and Medusa/EAGLE/ReDrafter heads
@@ -142,14 +142,18 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
         spec = getattr(config, role)
         models[role] = resolve_model(spec, role, config.base_dir, with_weights=with_weights)
         hf_configs[role] = read_hf_config(models[role])
-        if with_weights:
+        if with_weights or models[role].source == "local":  # local weights are at hand: check them in `check` too
             validate_weights(models[role])
+            nonfinite = weights_nonfinite(models[role])  # a sample of every tensor (see models.SCAN_ROWS)
+            if nonfinite:
+                report.errors.append(f"{role}.model: {nonfinite} (found in a sample of each tensor); the weights "
+                                     f"are broken, re-download or re-convert the model")
         _check_architecture(models[role], hf_configs[role], config.backend, report)
 
     if "draft" not in models:
         report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
-    tokenizer_problems = compare_tokenizers(load_tokenizer(models["target"]), load_tokenizer(models["draft"])) \
-        if "draft" in models else []
+    tokenizers = {role: load_tokenizer(models[role]) for role in models} if "draft" in models else {}
+    tokenizer_problems = compare_tokenizers(tokenizers["target"], tokenizers["draft"]) if tokenizers else []
     if tokenizer_problems:
         report.errors.append("draft.model: tokenizer differs from target (" + "; ".join(tokenizer_problems)
                              + "); pick a draft from the same model family")
@@ -158,7 +162,14 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     t_vocab = (hf_configs["target"].get("text_config") or hf_configs["target"]).get("vocab_size")
     d_vocab = (hf_configs["draft"].get("text_config") or hf_configs["draft"]).get("vocab_size") \
         if "draft" in models else t_vocab
-    if t_vocab != d_vocab and not tokenizer_problems:
+    # Fewer embedding rows than the (shared) tokenizer has tokens: every prompt holding a higher id fails.
+    short = [(role, rows) for role, rows in (("target", t_vocab), ("draft", d_vocab))
+             if tokenizers and isinstance(rows, int) and rows < len(tokenizers["target"])]
+    for role, rows in short:
+        report.errors.append(f"{role}.model: {rows} embedding rows (vocab_size) but the tokenizer has "
+                             f"{len(tokenizers['target'])} tokens, so ids {rows} and up would fail every request; "
+                             f"pick a {role} whose embeddings cover the tokenizer")
+    if t_vocab != d_vocab and not tokenizer_problems and not short:
         report.warnings.append(f"embedding rows differ (target {t_vocab}, draft {d_vocab}) although the tokenizers "
                                f"match; only the shared ids are compared")
 
@@ -184,6 +195,10 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
 
     if config.backend == "trtllm":
         _check_parallel(config, hf_configs["target"], report)
+    from .triton.server import bind_address_problem
+
+    if problem := bind_address_problem(config.serve.bind_address):
+        report.errors.append(problem)
     return report
 
 

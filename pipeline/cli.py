@@ -55,7 +55,7 @@ def cmd_convert(args) -> int:
 
     config = _load(args)
     start = time.perf_counter()
-    results = run_stages(config, args.engines_dir, ("convert",), force=args.force)
+    results = run_stages(config, args.engines_dir, ("convert",), force=args.force, verify=args.verify)
     print(summary(results))
     print(f"convert done in {time.perf_counter() - start:.1f}s")
     return 0
@@ -79,11 +79,15 @@ def cmd_build(args) -> int:
                 print(line)
         return 0
     start = time.perf_counter()
-    results = run_stages(config, args.engines_dir, ("convert", "build"), force=args.force)
+    results = run_stages(config, args.engines_dir, ("convert", "build"), force=args.force, verify=args.verify)
     print(summary(results))
     print(f"engines for {config.name} ready in {args.engines_dir / config.name} "
           f"({time.perf_counter() - start:.1f}s)")
     return 0
+
+
+VERIFY_HELP = ("hash every output file before calling a stage up to date (default: sizes and mtimes, plus the "
+               "hashes of files under 1 MiB); a stage whose outputs changed is redone")
 
 
 # ---- parser -------------------------------------------------------------------------------------------------------
@@ -105,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF checkpoints -> backend checkpoints (target and draft)")
     _common(p)
     p.add_argument("--force", action="store_true", help="redo even if up to date")
+    p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("build", help="convert (if needed) and build both engines")
     _common(p)
     p.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    p.add_argument("--verify", action="store_true", help=VERIFY_HELP)
     p.add_argument("--dry-run", action="store_true",
                    help="print the exact commands and files without running them (no TensorRT-LLM needed)")
     p.set_defaults(func=cmd_build)
@@ -122,15 +128,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# An error message is one line naming the field, the value and the fix; values are cut where they are formatted
+# (errors.short_repr), and this bounds whatever slips through (a server error carries its log's last lines).
+MAX_MESSAGE_CHARS = 8000
+
+
+def _check_engines_dir(args) -> None:
+    engines_dir = getattr(args, "engines_dir", None)
+    if engines_dir is not None and engines_dir.exists() and not engines_dir.is_dir():
+        raise PipelineError(f"--engines-dir: {engines_dir} is a file, not a folder; pass the folder that holds "
+                            f"(or will hold) engines/<name>/, such as engines")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        _check_engines_dir(args)
         return args.func(args)
     except PipelineError as exc:
         if args.debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
+        message = str(exc)
+        if len(message) > MAX_MESSAGE_CHARS:
+            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message)} characters, cut)"
+        print(f"error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -11,10 +11,9 @@ import json
 from pathlib import Path
 from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .errors import ConfigError
+from .errors import ConfigError, short_repr
 
 # K beyond this gives no measurable benefit (acceptance decays geometrically with position) and TensorRT-LLM's
 # draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
@@ -24,6 +23,9 @@ MAX_DRAFT_LEN_LIMIT = 16
 # never beyond this: KV-cache and engine buffers grow with it, and a 128k-position model (Llama 3.1) would
 # otherwise reserve them for 128k-token sequences on every build. 8192 covers typical prompts plus completions.
 DEFAULT_MAX_SEQ_LEN_CAP = 8192
+
+# The one-line error lists this many problems at most (a hostile file can hold thousands).
+MAX_LISTED_ERRORS = 8
 
 Dtype = Literal["float32", "float16", "bfloat16"]
 
@@ -172,7 +174,10 @@ class ServeSpec(_Section):
 
 
 class PipelineConfig(_Section):
-    name: str = Field(description="Names the output folder engines/<name>/.", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    # At most 100 characters: it names a folder, and file systems refuse names over 255 bytes (with the
+    # suffixes stages add) only when `build` gets there.
+    name: str = Field(description="Names the output folder engines/<name>/.", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                      max_length=100)
     backend: Literal["torch", "trtllm"] = "torch"
     target: ModelSpec
     draft: ModelSpec | None = Field(None, description="Required unless speculative.method is 'ngram'.")
@@ -207,9 +212,9 @@ class PipelineConfig(_Section):
 
 def _loc_part(part: object) -> str:
     # A key from the YAML can hold any character (newlines included): quote odd ones so the message stays one line.
-    if isinstance(part, str) and part.isidentifier() or type(part) is int:
+    if isinstance(part, str) and part.isidentifier() and len(part) <= 60 or type(part) is int:
         return str(part)
-    return repr(part)
+    return short_repr(part)
 
 
 def _format_error(err: dict, data: object) -> str:
@@ -220,10 +225,10 @@ def _format_error(err: dict, data: object) -> str:
     if err["type"] == "missing":
         return f"{loc}: required but missing; add it to the config"
     value = err.get("input")
-    msg = msg.replace("\n", " ")
+    msg = msg.replace("\n", " ")[:300]
     if msg.startswith(loc.split(".")[0] + ".") or not err["loc"]:  # a model-level validator named the field
         return msg
-    return f"{loc}: {value!r} is invalid: {msg}"
+    return f"{loc}: {short_repr(value)} is invalid: {msg}"
 
 
 def parse_config(data: object, source: str = "<config>", base_dir: Path | None = None) -> PipelineConfig:
@@ -234,25 +239,25 @@ def parse_config(data: object, source: str = "<config>", base_dir: Path | None =
     try:
         config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
-        lines = [_format_error(e, data) for e in exc.errors()]
+        errors = exc.errors()
+        lines = [_format_error(e, data) for e in errors[:MAX_LISTED_ERRORS]]
+        if len(errors) > MAX_LISTED_ERRORS:
+            lines.append(f"and {len(errors) - MAX_LISTED_ERRORS} more problems")
         raise ConfigError(f"{source}: " + "; ".join(lines)) from None
     config._base_dir = (base_dir or Path(".")).resolve()
     return config
 
 
 def load_config(path: str | Path) -> PipelineConfig:
-    """Read and validate a YAML config; relative model paths resolve against the file's folder."""
+    """Read and validate a YAML config; relative model paths resolve against the file's folder.
+
+    The file is read by pipeline.yaml_loader: size, nesting, alias, duplicate-key and encoding limits, so a
+    hostile file is one ConfigError.
+    """
+    from .yaml_loader import load_yaml_file
+
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} not found; pass a YAML file such as configs/tiny.yaml")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"{path}: malformed YAML{where}: {problem}; fix the syntax") from None
-    return parse_config(data, source=str(path), base_dir=path.parent)
+    return parse_config(load_yaml_file(path), source=str(path), base_dir=path.parent)
 
 
 def json_schema() -> dict:

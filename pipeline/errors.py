@@ -25,3 +25,17 @@ class EngineError(PipelineError):
 
 class BackendUnavailable(PipelineError):
     """The selected backend needs software or hardware this machine does not have."""
+
+
+def short_repr(value: object, limit: int = 80) -> str:
+    """repr() of a value for a one-line message, cut to about ``limit`` characters however large the value is
+    (a hostile config or request can hold megabytes in one field)."""
+    import reprlib
+
+    shortener = reprlib.Repr()
+    shortener.maxstring, shortener.maxother, shortener.maxlevel = limit, limit, 3
+    shortener.maxlist = shortener.maxtuple = shortener.maxset = shortener.maxdict = 6
+    text = shortener.repr(value)
+    if len(text) > limit + 10:  # reprlib bounds each part; a long dict key or nested mix can still add up
+        text = text[:limit] + "..."
+    return text.replace("\n", "\\n")

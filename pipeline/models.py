@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import ModelSpec
-from .errors import ModelError
+from .errors import ModelError, short_repr
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 METADATA_PATTERNS = ["*.json", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.py"]
@@ -45,7 +45,11 @@ def resolve_model(spec: ModelSpec, role: str, base_dir: Path, with_weights: bool
     ``with_weights=False`` fetches only config and tokenizer files, which is all the `check` stage needs.
     """
     name = spec.model
-    local = (base_dir / os.path.expanduser(name)).resolve()
+    try:
+        local = (base_dir / os.path.expanduser(name)).resolve()
+    except (RuntimeError, OSError) as exc:  # Python 3.11 reports a symlink loop as RuntimeError, 3.13 as OSError
+        raise ModelError(f"{role}.model: {short_repr(name)} cannot be resolved ({exc}: a symlink loop?); point "
+                         f"{role}.model at the model folder itself") from None
     if local.is_dir():
         return ResolvedModel(role, spec, local, "local", None)
     if _looks_local(name):
@@ -93,10 +97,18 @@ def read_hf_config(model: ResolvedModel) -> dict:
         raise ModelError(f"{model.field}: {model.path} has no config.json; point it at a Hugging Face model "
                          f"folder (the one save_pretrained writes)")
     try:
-        return json.loads(cfg.read_text())
+        data = json.loads(cfg.read_bytes())
     except json.JSONDecodeError as exc:
         raise ModelError(f"{model.field}: {cfg} is not valid JSON ({exc.msg} at line {exc.lineno}); "
                          f"restore the file") from None
+    except ValueError:  # bytes that are not UTF-8/16/32 text
+        raise ModelError(f"{model.field}: {cfg} is not JSON text (not UTF-8); restore the file") from None
+    except OSError as exc:
+        raise ModelError(f"{model.field}: {cfg} cannot be read ({exc.strerror}); check the file") from None
+    if not isinstance(data, dict):
+        raise ModelError(f"{model.field}: {cfg} holds a JSON {type(data).__name__}, not the object "
+                         f"save_pretrained writes; restore the file")
+    return data
 
 
 def weight_files(model: ResolvedModel) -> list[Path]:
@@ -127,6 +139,39 @@ def validate_weights(model: ResolvedModel) -> None:
         except Exception as exc:  # SafetensorError, OSError: either way the file is unusable
             raise ModelError(f"{model.field}: weights file {path} is corrupt or truncated ({exc}); re-download "
                              f"or re-save the model") from None
+
+
+# How much of each tensor weights_nonfinite reads: a NaN/inf scan of a bounded sample, not of every weight.
+SCAN_ROWS = 8  # rows per tensor, evenly spaced along the first dimension, first and last included
+SCAN_COLUMNS = 8192  # values read per row at most
+
+
+def weights_nonfinite(model: ResolvedModel) -> str | None:
+    """The first tensor found holding NaN or inf in a bounded sample (SCAN_ROWS rows of every tensor, at most
+    SCAN_COLUMNS values each; 1-D tensors up to SCAN_ROWS * SCAN_COLUMNS values), or None. Catches a tensor or
+    a row lost to a bad conversion or a corrupt download while reading a few MB even of an 8B model; a lone NaN
+    between the sampled rows passes."""
+    import torch
+    from safetensors import safe_open
+
+    for path in weight_files(model):
+        if path.suffix != ".safetensors":
+            continue
+        with safe_open(path, "pt") as handle:
+            for name in handle.keys():
+                tensor = handle.get_slice(name)
+                shape = tensor.get_shape()
+                if len(shape) <= 1:  # norms, biases, scalars: small, read whole (or their head)
+                    sample = handle.get_tensor(name) if not shape else tensor[:SCAN_ROWS * SCAN_COLUMNS]
+                else:
+                    rows = sorted({round(i * (shape[0] - 1) / (SCAN_ROWS - 1)) for i in range(SCAN_ROWS)})
+                    inner = tuple(slice(0, 1) for _ in shape[1:-1])  # [experts, rows, cols]: one row of each
+                    sample = torch.cat([tensor[(slice(r, r + 1), *inner, slice(0, SCAN_COLUMNS))].reshape(-1)
+                                        for r in rows])
+                if sample.is_floating_point() and not torch.isfinite(sample.float()).all():  # fp8: no isfinite
+                    what = "NaN" if torch.isnan(sample).any() else "inf"
+                    return f"{name} in {path.name} holds {what} values"
+    return None
 
 
 def warn_remote_code(model: ResolvedModel) -> None:

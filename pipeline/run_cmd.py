@@ -24,16 +24,41 @@ def add_run_parser(sub, common) -> None:
     p.set_defaults(func=cmd_run)
 
 
+def _read_prompts_file(path: Path) -> list[str]:
+    """One prompt per non-empty line (``\\n`` for a newline inside one), or a JSON list of strings."""
+    where = f"--prompts-file: {path}"
+    if path.is_dir():
+        raise PipelineError(f"{where} is a folder; pass a text file with one prompt per line")
+    if not path.is_file():
+        raise PipelineError(f"{where} not found (or not a regular file); pass a text file with one prompt per line")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise PipelineError(f"{where} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    except OSError as exc:
+        raise PipelineError(f"{where} cannot be read ({exc.strerror})") from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise PipelineError(f"{where} starts with '[' but is not a valid JSON list ({exc}); write a JSON "
+                                f"list of strings, or one prompt per line") from None
+        bad = next((i for i, item in enumerate(items) if not isinstance(item, str)), None)
+        if bad is not None:
+            raise PipelineError(f"{where}: item {bad} is {type(items[bad]).__name__}, not a string; a JSON prompts "
+                                f"file is a list of strings")
+        found = items
+    else:
+        found = [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+    if not found:
+        raise PipelineError(f"{where} holds no prompts; write one prompt per line")
+    return found
+
+
 def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
     found = list(prompts)
     if prompts_file is not None:
-        if not prompts_file.is_file():
-            raise PipelineError(f"--prompts-file: {prompts_file} not found")
-        text = prompts_file.read_text()
-        if text.lstrip().startswith("["):
-            found += [str(p) for p in json.loads(text)]
-        else:
-            found += [line.replace("\\n", "\n") for line in text.splitlines() if line.strip()]
+        found += _read_prompts_file(prompts_file)
     if not found:
         raise PipelineError("run: no prompts; pass --prompt TEXT or --prompts-file FILE")
     return found
@@ -62,6 +87,12 @@ def cmd_run(args) -> int:
     from .config import load_config
     from .executor import GenerationStats
 
+    from .triton.request_inputs import check_generation_values
+
+    # The server's rules, checked before anything loads (the executor alone would take temperature inf).
+    check_generation_values(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, names={
+        "max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+        "seed": "--seed"})
     config = load_config(args.config)
     prompts = read_prompts(args.prompt, args.prompts_file)
     executor = load_executor(config, args.engines_dir)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage
+from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage, verify_outputs
 from .backends import get_backend
 from .checks import CheckReport, check_pair, with_build, with_build_limits
 from .config import PipelineConfig
@@ -39,7 +39,8 @@ def _role_config(config: PipelineConfig, role: str) -> dict:
             "speculative": speculative, "build": data["build"]}
 
 
-def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False) -> StageResult:
+def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
+                 verify: bool = False) -> StageResult:
     model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=True)
     weight_files(model)  # refuses pickle-only folders before anything is hashed or loaded
     inputs = {"model_files": content_hashes(model.path), "revision": model.revision}
@@ -47,7 +48,7 @@ def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool 
     role_cfg = _role_config(config, role)
     role_cfg.pop("speculative")  # a conversion does not depend on K
     return run_stage("convert", role, layout.stage_dir(role, "convert"), inputs, role_cfg,
-                     lambda tmp: backend.convert(config, role, model, tmp), force=force)
+                     lambda tmp: backend.convert(config, role, model, tmp), force=force, verify=verify)
 
 
 def _completed(layout: Layout, role: str, stage: str) -> dict:
@@ -59,7 +60,7 @@ def _completed(layout: Layout, role: str, stage: str) -> dict:
 
 
 def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
-               dry_run: bool = False) -> StageResult | list[str]:
+               dry_run: bool = False, verify: bool = False) -> StageResult | list[str]:
     config = with_build_limits(config)  # the argv and engine.json need numbers (a no-op when resolved)
     backend = get_backend(config.backend)
     checkpoint_dir = layout.stage_dir(role, "convert")
@@ -69,16 +70,19 @@ def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = 
     convert_manifest = _completed(layout, role, "convert")
     inputs = {"convert_key": convert_manifest["input_key"], "convert_outputs": convert_manifest["outputs"]}
     return run_stage("build", role, out_dir, inputs, _role_config(config, role),
-                     lambda tmp: backend.build(config, role, checkpoint_dir, tmp), force=force)
+                     lambda tmp: backend.build(config, role, checkpoint_dir, tmp), force=force, verify=verify)
 
 
 def verify_engines(config: PipelineConfig, engines_dir: Path) -> Layout:
-    """Refuse engines that are missing, incomplete, or were built from a config other than this one."""
+    """Refuse engines that are missing, incomplete, modified since they were built (files deleted, truncated or
+    edited: checked by size, and by hash for the small metadata files), or built from a config other than this
+    one."""
     layout = Layout.for_config(config, engines_dir)
     config = with_build_limits(config)  # the build manifests hold the limits the engines were built with
     for role in config.roles:
         folder = layout.stage_dir(role, "build")
         manifest = _completed(layout, role, "build")
+        verify_outputs(folder, manifest)  # before anything reads engine.json or the weights
         built_with, wanted = manifest.get("config", {}), _role_config(config, role)
         if built_with != wanted:
             field, old, new = _first_difference(built_with, wanted)
@@ -96,12 +100,13 @@ def _first_difference(old: object, new: object, prefix: str = "") -> tuple[str, 
     return prefix or "<root>", old, new
 
 
-def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...], force: bool = False
-               ) -> list[StageResult]:
+def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...], force: bool = False,
+               verify: bool = False) -> list[StageResult]:
     """Run convert and/or build for both roles under the config's build lock; prints a summary.
 
     The pair is checked first (tokenizers, limits, weight headers), so a bad input fails before anything is
-    written under engines/.
+    written under engines/. A stage is "up to date" only when its outputs still match its manifest (sizes and
+    mtimes; every file's hash with ``verify``); otherwise it is redone.
     """
     if "convert" in stages:
         print(f"check {config.name} ({config.backend} backend)")
@@ -115,7 +120,7 @@ def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...
             for role in config.roles:
                 print(f"[{stage}] {role}: {getattr(config, role).model}", file=sys.stderr, flush=True)
                 step = convert_role if stage == "convert" else build_role
-                result = step(config, layout, role, force=force)
+                result = step(config, layout, role, force=force, verify=verify)
                 print(f"[{stage}] {role}: {result.status} ({result.seconds:.1f}s) -> {result.path}",
                       file=sys.stderr, flush=True)
                 results.append(result)

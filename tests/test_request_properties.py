@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pipeline.executor import RequestError
-from pipeline.triton.request_inputs import GenerateArgs, parse_request
+from pipeline.triton.request_inputs import (FALLBACK_MAX_INPUT_LEN, MAX_BYTES_PER_TOKEN, GenerateArgs,
+                                            parse_request)
 from pipeline.triton.torch_repo import INPUTS
 
 NAMES = [name for name, _, _ in INPUTS]  # text_input, input_ids, max_tokens, temperature, top_k, ...
@@ -80,7 +81,7 @@ def check(request: dict[str, np.ndarray]) -> GenerateArgs | None:
         return None
     # Anything accepted is within the documented ranges and of plain Python types the executor takes.
     assert isinstance(args.prompt, str) or all(type(t) is int for t in args.prompt)
-    assert type(args.max_new_tokens) is int and args.max_new_tokens >= 1
+    assert type(args.max_new_tokens) is int and 1 <= args.max_new_tokens <= 2**31 - 1
     assert type(args.temperature) is float and math.isfinite(args.temperature) and args.temperature >= 0
     assert type(args.top_k) is int and args.top_k >= 0
     assert type(args.top_p) is float and 0 < args.top_p <= 1
@@ -138,3 +139,72 @@ def test_valid_request_round_trips():
                "num_draft_tokens": np.array([[0]], dtype=np.int32)}
     args = check(request)
     assert args == GenerateArgs([5, 6, 7], 8, 0.5, 3, 0.25, 2**64 - 1, 0)
+
+
+# ---- size and range limits (issue 12, items b and m) -------------------------------------------------------------
+
+def _text_request(text: bytes) -> dict[str, np.ndarray]:
+    return {"text_input": np.array([[text]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32)}
+
+
+def test_oversized_text_input_is_refused_by_its_bytes_before_decoding():
+    import time
+
+    limit = MAX_BYTES_PER_TOKEN * 512
+    at_limit = b"a" * limit
+    assert parse_request(_text_request(at_limit).get, K_LIMIT, max_input_len=512).prompt == at_limit.decode()
+    huge = b"\xff" * (10 * 2**20)  # 10 MB, not even UTF-8: the size is checked first, nothing is decoded
+    start = time.perf_counter()
+    try:
+        parse_request(_text_request(huge).get, K_LIMIT, max_input_len=512)
+    except RequestError as exc:
+        message = str(exc)
+    else:
+        raise AssertionError("a 10 MB text_input was accepted")
+    assert time.perf_counter() - start < 0.05
+    assert message.startswith(f"text_input: {len(huge)} bytes is over the {limit}-byte limit"), message
+    assert f"{MAX_BYTES_PER_TOKEN} bytes per token of max_input_len 512" in message, message
+    over = _text_request(b"a" * (limit + 1))
+    try:
+        parse_request(over.get, K_LIMIT, max_input_len=512)
+    except RequestError as exc:
+        assert f"{limit + 1} bytes" in str(exc)
+    else:
+        raise AssertionError("one byte over the limit was accepted")
+
+
+def test_without_an_engine_limit_the_fallback_still_bounds_the_prompt():
+    fallback = MAX_BYTES_PER_TOKEN * FALLBACK_MAX_INPUT_LEN
+    assert parse_request(_text_request(b"a" * fallback).get, K_LIMIT).prompt
+    try:
+        parse_request(_text_request(b"a" * (fallback + 1)).get, K_LIMIT)
+    except RequestError as exc:
+        assert f"{fallback}-byte limit" in str(exc)
+    else:
+        raise AssertionError("the fallback limit was not applied")
+
+
+def test_input_ids_longer_than_max_input_len_are_refused_before_conversion():
+    request = {"input_ids": np.zeros((1, 5_000_000), np.int32), "max_tokens": np.array([[4]], np.int32)}
+    try:
+        parse_request(request.get, K_LIMIT, max_input_len=512)
+    except RequestError as exc:
+        assert "input_ids: 5000000 tokens exceeds max_input_len 512" in str(exc)
+    else:
+        raise AssertionError("5M input ids were accepted")
+
+
+def test_max_tokens_beyond_int32_is_refused_not_wrapped():
+    def message(value, dtype):
+        request = {"text_input": np.array([[b"x"]], np.object_), "max_tokens": np.array([[value]], dtype)}
+        try:
+            parse_request(request.get, K_LIMIT)
+        except RequestError as exc:
+            return str(exc)
+        raise AssertionError(f"max_tokens {value} accepted")
+
+    assert message(2**31, np.int64) == "max_tokens: 2147483648 must be at most 2147483647"
+    assert message(2**64 - 1, np.uint64) == f"max_tokens: {2**64 - 1} must be at most 2147483647"
+    # 2147483648 in JSON reaches an INT32 model as -2147483648 (Triton cuts the high bits): say so
+    wrapped = message(np.int32(-2**31), np.int32)
+    assert "wrapped around" in wrapped and "at most 2147483647" in wrapped, wrapped

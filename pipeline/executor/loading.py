@@ -6,7 +6,7 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from ..artifacts import read_manifest
+from ..artifacts import read_manifest, verify_outputs
 from ..config import ModelSpec
 from ..errors import EngineError
 from ..layout import Layout
@@ -71,6 +71,7 @@ def read_engine(root: Path, role: str) -> EngineInfo:
     if manifest is None:
         raise EngineError(f"{folder}: no completed engine; run `python -m pipeline build CONFIG` (or `make "
                           f"build-engines`) first")
+    verify_outputs(folder, manifest)  # a deleted, truncated or hand-edited engine file is refused by name
     engine_file = folder / ENGINE_FILE
     if not engine_file.is_file():
         raise EngineError(f"{engine_file}: missing; the engine folder is incomplete, rebuild it with --force")

@@ -20,8 +20,8 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = no nucleus cut
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature: {self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature: {self.temperature} must be finite and >= 0 (0 = greedy)")
         if self.top_k < 0:
             raise ValueError(f"top_k: {self.top_k} must be >= 0 (0 disables it)")
         if not 0 < self.top_p <= 1:

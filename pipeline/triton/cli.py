@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 
 
@@ -21,6 +22,9 @@ def add_triton_parsers(sub, common) -> None:
     p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
     p.add_argument("--log-file", type=Path, default=None,
                    help="server log (default: engines/<name>/triton-server.log)")
+    p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
+                   help="reloads of a model whose process died, per model within 10 minutes, before serve stops "
+                        f"the server and exits 1 (default {DEFAULT_MAX_RESTARTS}; 0: exit at the first death)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -40,12 +44,26 @@ def cmd_deploy(args) -> int:
     return 0
 
 
+# How `serve` treats a Python-backend model process that dies (the kernel's OOM killer, a crash in native code):
+# Triton keeps answering "ready" while every request to that model fails, so serve watches the processes itself,
+# reloads the model through Triton's model-control API, and gives up (stops the server, exits 1) when one model
+# needed more than --max-restarts reloads within RESTART_WINDOW_S: a crash loop is for an operator to look at.
+# tritonserver itself dying of a signal (a crash, the OOM killer) is restarted under the same budget.
+DEFAULT_MAX_RESTARTS = 3
+RESTART_WINDOW_S = 600.0
+WATCH_INTERVAL_S = 1.0
+
+
 def cmd_serve(args) -> int:
     from ..config import load_config
     from .repository import deploy
     from .server import Endpoints, TritonServer
 
     config = load_config(args.config)
+    if config.backend == "torch":
+        from ..stages import verify_engines
+
+        verify_engines(config, args.engines_dir)  # damaged or edited engines are refused before Triton loads them
     result = deploy(config, args.engines_dir)
     print(f"repository {result.status}: {result.path}")
     if config.backend == "trtllm":
@@ -59,11 +77,19 @@ def cmd_serve(args) -> int:
     endpoints = Endpoints(s.bind_address, s.http_port, s.grpc_port, s.metrics_port)
     log_file = args.log_file or result.path.parent / "triton-server.log"
     server = TritonServer(result.path, endpoints, log_path=log_file)
+    signals = 0
 
-    def on_sigterm(signum, frame):
-        raise KeyboardInterrupt  # one shutdown path for Ctrl-C and SIGTERM
+    def on_signal(signum, frame):
+        # The first Ctrl-C or SIGTERM stops the server gracefully (in-flight requests drain); a second one kills
+        # it and its model processes at once, and serve exits only after they are gone (ports free).
+        nonlocal signals
+        signals += 1
+        if signals == 1:
+            raise KeyboardInterrupt
+        print("second signal: killing tritonserver and its model processes now", file=sys.stderr, flush=True)
+        server.kill()
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"starting tritonserver (log {log_file}) ...", flush=True)
         server.start(ready_timeout_s=args.ready_timeout)
@@ -72,13 +98,59 @@ def cmd_serve(args) -> int:
               f"metrics http://{host}:{s.metrics_port}/metrics", flush=True)
         print(f"  curl -s http://{host}:{s.http_port}/v2/models/speculative/generate "
               f"-d '{{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
-        print("Ctrl-C or SIGTERM stops it.", flush=True)
-        code = server.wait()
-        print(f"tritonserver exited with code {code}; log {log_file}", file=sys.stderr)
-        return 1 if code else 0
+        print("Ctrl-C or SIGTERM stops it (a second one kills it at once).", flush=True)
+        return _supervise(server, args.max_restarts, args.ready_timeout, log_file)
     except KeyboardInterrupt:
         print("stopping tritonserver ...", flush=True)
-        return 0
+        server.stop()
+        return 130 if signals > 1 else 0
     finally:
         server.stop()
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _supervise(server, max_restarts: int, reload_timeout_s: float, log_file: Path) -> int:
+    """Wait for the server to exit; reload a model whose Python-backend process died, within the budget."""
+    from . import procfs
+
+    restarts: dict[str, list[float]] = {}  # model name (or "tritonserver") -> when it was restarted
+
+    def within_budget(what: str, cause: str) -> bool:
+        now = time.monotonic()
+        recent = [t for t in restarts.get(what, []) if now - t < RESTART_WINDOW_S]
+        window = f"{RESTART_WINDOW_S / 60:.0f} min"
+        if len(recent) >= max_restarts:
+            print(f"error: {what}: {cause}, and it was already restarted {len(recent)} time(s) in the last {window} "
+                  f"(--max-restarts {max_restarts}); stopping tritonserver, not ready. See {log_file} and the "
+                  f"kernel log (out of memory?)", file=sys.stderr, flush=True)
+            return False
+        restarts[what] = [*recent, now]
+        print(f"warning: {what}: {cause}; restarting it (restart {len(recent) + 1} of at most {max_restarts} in "
+              f"{window})", file=sys.stderr, flush=True)
+        return True
+
+    known = {stub.pid: stub for stub in procfs.stubs(server.pid)}
+    while True:
+        code = server.wait(WATCH_INTERVAL_S)
+        if code is not None and code >= 0:  # it stopped by itself: a configuration problem, not a crash
+            print(f"tritonserver exited with code {code}; log {log_file}", file=sys.stderr)
+            return 1 if code else 0
+        if code is not None:  # killed by a signal: a crash (Triton 2.51 segfaults on JSON bodies over ~4 MB)
+            if not within_budget("tritonserver", f"died of signal {-code}"):
+                return 1
+            server.stop()
+            server.start(ready_timeout_s=reload_timeout_s)
+            print("tritonserver restarted", file=sys.stderr, flush=True)
+            known = {stub.pid: stub for stub in procfs.stubs(server.pid)}
+            continue
+        dead = [stub for pid, stub in known.items() if not procfs.alive(pid)]
+        for model in sorted({stub.model for stub in dead}):
+            pids = ", ".join(str(stub.pid) for stub in dead if stub.model == model)
+            if not within_budget(f"model {model}", f"its Python-backend process {pids} died (killed, or out of "
+                                                   f"memory?)"):
+                return 1
+            server.reload_model(model, reload_timeout_s)
+            print(f"model {model} reloaded", file=sys.stderr, flush=True)
+        if dead:
+            known = {stub.pid: stub for stub in procfs.stubs(server.pid)}

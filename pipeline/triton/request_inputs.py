@@ -2,7 +2,10 @@
 
 Used by the Python model (``python_model/model.py``) inside tritonserver, and importable without Triton so the
 rules can be unit-tested. Triton itself already rejects wrong dtypes and shapes against config.pbtxt; the checks
-here cover values (negative max_tokens, top_p out of range, K above the engine's limit, ...).
+here cover values (negative max_tokens, top_p out of range, K above the engine's limit, ...) and size: a prompt
+is refused by its byte length before it is decoded or tokenized (MAX_BYTES_PER_TOKEN per token of the engine's
+max_input_len), so an oversized request costs microseconds instead of seconds of the only engine thread and
+gigabytes of tokenizer memory; it also bounds how long any accepted prompt takes to tokenize.
 """
 
 from __future__ import annotations
@@ -12,7 +15,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import short_repr
 from ..executor.results import RequestError
+
+# A prompt of max_input_len tokens is at most this many UTF-8 bytes per token: real tokenizers average 2-5 bytes
+# per token on text and code; 32 leaves room for long whitespace and repeated-character tokens. A longer prompt
+# cannot fit the engine (or is mostly padding) and is refused before tokenizing.
+MAX_BYTES_PER_TOKEN = 32
+# The limit when the caller does not pass max_input_len: 32 bytes x 32768 tokens (1 MiB, about 2 s to tokenize).
+FALLBACK_MAX_INPUT_LEN = 32768
+INT32_MAX = 2**31 - 1
 
 GetInput = Callable[[str], "np.ndarray | None"]  # name -> the request's tensor, or None when absent
 
@@ -48,7 +60,12 @@ def _one(get: GetInput, name: str, kind: str, required: bool = False):
     return value.reshape(-1)[0].item()
 
 
-def _prompt(get: GetInput) -> str | list[int]:
+def max_prompt_bytes(max_input_len: int) -> int:
+    """The largest text_input (UTF-8 bytes) accepted for an engine built with ``max_input_len``."""
+    return MAX_BYTES_PER_TOKEN * max_input_len
+
+
+def _prompt(get: GetInput, max_input_len: int | None) -> str | list[int]:
     text, ids = get("text_input"), get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("text_input / input_ids: send exactly one of them (a string, or token ids)")
@@ -57,6 +74,16 @@ def _prompt(get: GetInput) -> str | list[int]:
         if text.size != 1:
             raise RequestError(f"text_input: expected one string per request, got shape {list(text.shape)}")
         raw = text.reshape(-1)[0]
+        limit = max_prompt_bytes(max_input_len or FALLBACK_MAX_INPUT_LEN)
+        why = f"{MAX_BYTES_PER_TOKEN} bytes per token of max_input_len {max_input_len}, " if max_input_len else ""
+        if isinstance(raw, bytes):  # what Triton hands over
+            size = len(raw)
+        else:  # a str (tests, other callers): characters bound the bytes from below; encode only short ones
+            raw = str(raw)
+            size = len(raw) if len(raw) > limit else len(raw.encode("utf-8", "surrogatepass"))
+        if size > limit:
+            raise RequestError(f"text_input: {size} bytes is over the {limit}-byte limit ({why}refused before "
+                               f"tokenizing); shorten the prompt")
         try:
             return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
         except UnicodeDecodeError as exc:
@@ -66,28 +93,52 @@ def _prompt(get: GetInput) -> str | list[int]:
         raise RequestError(f"input_ids: expected one sequence per request, got shape {list(ids.shape)}")
     if ids.dtype.kind not in "iu":
         raise RequestError(f"input_ids: dtype {ids.dtype} is not an integer type; send INT32 token ids")
+    if ids.size > (max_input_len or FALLBACK_MAX_INPUT_LEN):  # before building a list of millions of ints
+        raise RequestError(f"input_ids: {ids.size} tokens exceeds max_input_len "
+                           f"{max_input_len or FALLBACK_MAX_INPUT_LEN}; shorten it")
     return [int(t) for t in ids.reshape(-1)]
 
 
-def parse_request(get: GetInput, max_draft_len_limit: int) -> GenerateArgs:
-    """Validate one request; raises RequestError naming the input, the bad value and the fix."""
-    prompt = _prompt(get)
-    max_tokens = _one(get, "max_tokens", "iu", required=True)
+def check_generation_values(max_tokens: int, temperature: float, top_k: int, top_p: float,
+                            seed: int | None = None, names: dict[str, str] | None = None) -> None:
+    """The value rules every request meets, shared by the server's parser and `run`'s flags (``names`` maps an
+    input name to what the caller calls it, such as ``--max-new-tokens``); raises RequestError."""
+    def name(key: str) -> str:
+        return (names or {}).get(key, key)
+
     if max_tokens < 1:
-        raise RequestError(f"max_tokens: {max_tokens} must be >= 1 (the number of tokens to generate)")
+        # Triton's JSON parser stores a number above INT32_MAX into the INT32 tensor with its high bits cut off
+        wrapped = f"; a JSON value above {INT32_MAX} arrives wrapped around" if max_tokens < -1 else ""
+        raise RequestError(f"{name('max_tokens')}: {max_tokens} must be >= 1 (the number of tokens to generate, "
+                           f"at most {INT32_MAX}){wrapped}")
+    if max_tokens > INT32_MAX:
+        raise RequestError(f"{name('max_tokens')}: {max_tokens} must be at most {INT32_MAX}")
+    if not np.isfinite(temperature) or temperature < 0:
+        raise RequestError(f"{name('temperature')}: {temperature} must be a finite number >= 0 (0 = greedy)")
+    if top_k < 0:
+        raise RequestError(f"{name('top_k')}: {top_k} must be >= 0 (0 disables it)")
+    if not 0 < top_p <= 1:
+        raise RequestError(f"{name('top_p')}: {top_p} must be in (0, 1] (1 disables it)")
+    if seed is not None and not 0 <= seed < 2**64:
+        raise RequestError(f"{name('seed')}: {short_repr(seed)} must be an integer in [0, 2**64)")
+
+
+def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | None = None) -> GenerateArgs:
+    """Validate one request; raises RequestError naming the input, the bad value and the fix.
+
+    ``max_input_len`` (the engine's, in tokens) bounds the prompt before it is decoded or tokenized; without it
+    the bound is FALLBACK_MAX_INPUT_LEN.
+    """
+    prompt = _prompt(get, max_input_len)
+    max_tokens = _one(get, "max_tokens", "iu", required=True)
     temperature = _one(get, "temperature", "f")
     temperature = 0.0 if temperature is None else float(temperature)
-    if not np.isfinite(temperature) or temperature < 0:
-        raise RequestError(f"temperature: {temperature} must be a finite number >= 0 (0 = greedy)")
     top_k = _one(get, "top_k", "iu")
     top_k = 0 if top_k is None else int(top_k)
-    if top_k < 0:
-        raise RequestError(f"top_k: {top_k} must be >= 0 (0 disables it)")
     top_p = _one(get, "top_p", "f")
     top_p = 1.0 if top_p is None else float(top_p)
-    if not 0 < top_p <= 1:
-        raise RequestError(f"top_p: {top_p} must be in (0, 1] (1 disables it)")
     seed = _one(get, "seed", "iu")
+    check_generation_values(max_tokens, temperature, top_k, top_p, seed)
     k = _one(get, "num_draft_tokens", "iu")
     if k is not None and not 0 <= k <= max_draft_len_limit:
         raise RequestError(f"num_draft_tokens: {k} must be between 0 (target only) and {max_draft_len_limit}, "

@@ -117,7 +117,7 @@ class TritonPythonModel:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         try:
-            args = self.parse_request(lambda name: _input(request, name), self.k_limit)
+            args = self.parse_request(lambda name: _input(request, name), self.k_limit, self.executor.max_input_len)
             spec_request = self.executor.new_request(args.prompt, **args.executor_kwargs())
         except Exception as exc:  # noqa: BLE001 - reported to this client; the model keeps serving others
             sender.send(self._error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
