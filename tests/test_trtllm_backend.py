@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from pipeline.artifacts import write_manifest
+from pipeline.artifacts import content_hashes, output_stats, write_manifest
 from pipeline.backends import trtllm
 from pipeline.backends.trtllm_api import INSTALL_HINT, PINNED_VERSION, TRITON_CONTAINER, require_cuda_gpu
 from pipeline.backends.trtllm_loading import check_pair
@@ -33,6 +33,11 @@ CONFIG = REPO / "configs" / "llama3.1-8b_llama3.2-1b.yaml"
 def no_trtllm(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "tensorrt_llm", None)  # `import tensorrt_llm` raises ImportError
     monkeypatch.setenv("PATH", str(tmp_path))  # and no trtllm-build on PATH
+
+
+def _seal(folder, stage_facts):
+    """Write the manifest a completed stage writes: loading verifies every listed output before trusting it."""
+    write_manifest(folder, {**stage_facts, "outputs": content_hashes(folder), "output_stats": output_stats(folder)})
 
 
 def _one_line(exc: BaseException) -> str:
@@ -162,7 +167,7 @@ def test_check_pair_over_an_engines_folder(tmp_path):
         k = 4 if role == "target" else 0
         fake_engine_config(folder, spec_mode=2 if k else 1, max_draft_len=k, version="1.0.0")
         (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, "1.0.0")))
-        write_manifest(folder, {"stage": "build", "role": role})
+        _seal(folder, {"stage": "build", "role": role})
     with pytest.raises(EngineError) as err:
         check_pair(tmp_path, PINNED_VERSION)
     assert str(err.value).count("version is '1.0.0'") == 2 and "\n" not in str(err.value)
@@ -311,8 +316,9 @@ def test_executor_engines_get_the_shared_kv_split(monkeypatch, tmp_path, draft_i
         k = 4 if role == "target" else 0
         fake_engine_config(folder, spec_mode=2 if k else 1, max_draft_len=k)
         (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, PINNED_VERSION)))
-        write_manifest(folder, {"stage": "build", "role": role})
-    _tiny_tokenizer(tmp_path / "target" / "build" / "tokenizer")
+        if role == "target":
+            _tiny_tokenizer(folder / "tokenizer")
+        _seal(folder, {"stage": "build", "role": role})
     opened = {}
 
     class RecordingEngine:  # FAKE ModelRunnerEngine: records what each engine would be opened with
@@ -400,8 +406,8 @@ def test_ngram_loads_only_the_target_engine(monkeypatch, tmp_path):
     folder = tmp_path / "target" / "build"
     fake_engine_config(folder, spec_mode=2, max_draft_len=4)
     (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, "target", PINNED_VERSION)))
-    write_manifest(folder, {"stage": "build", "role": "target"})
     _tiny_tokenizer(folder / "tokenizer")
+    _seal(folder, {"stage": "build", "role": "target"})
     opened = []
 
     class RecordingEngine:  # FAKE ModelRunnerEngine
