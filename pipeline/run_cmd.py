@@ -64,17 +64,22 @@ def read_prompts(prompts: list[str], prompts_file: Path | None) -> list[str]:
     return found
 
 
+def proposer_options(config) -> dict:
+    """from_engines keywords for the config's drafting method (draft model, n-gram lookup or both)."""
+    from .executor.proposers import NgramSettings
+
+    spec = config.speculative
+    return dict(method=spec.method, ngram=NgramSettings(spec.ngram.min_match, spec.ngram.max_match))
+
+
 def load_executor(config, engines_dir: Path):
     """The executor on this config's engines, after checking they were built from this very config."""
     from .executor import SpeculativeExecutor
     from .stages import verify_engines
 
-    from .executor.proposers import NgramSettings
-
     verify_engines(config, engines_dir)
     device = None if config.runtime.device == "auto" else config.runtime.device
-    spec = config.speculative
-    proposer = dict(method=spec.method, ngram=NgramSettings(spec.ngram.min_match, spec.ngram.max_match))
+    proposer = proposer_options(config)
     if config.backend == "torch":
         return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device,
                                                 compile=config.runtime.torch_compile, **proposer)

@@ -223,6 +223,13 @@ def test_draft_policy_stops_drafting_when_it_does_not_pay():
         expensive.draft.record(tokens, 0.0003 * tokens)
     assert expensive.choose([0.6] * 32, [6] * 32) == 0
     assert policy.choose([0.8] * 4, [2] * 4) >= 1 and policy.choose([], []) == 0
+    # A draft model as slow as the target never pays at this rate; n-gram lookups (no draft forward) do.
+    slow_draft = DraftPolicy(k_max=6)
+    for tokens in (1, 8, 64, 256):
+        slow_draft.target.record(tokens, 0.010 + 0.0001 * tokens)
+        slow_draft.draft.record(tokens, 0.010)
+    assert slow_draft.choose([0.5], [6]) == 0
+    assert slow_draft.choose([0.5], [6], uses_model=[False]) >= 1
 
 
 ARCHITECTURES = {

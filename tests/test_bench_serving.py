@@ -14,7 +14,7 @@ import pytest
 
 from pipeline.bench import serving
 from pipeline.bench.serving import ServeOptions, _Timing, add_ratios, run_load, summarize, targets_met
-from conftest import run_cli
+from conftest import run_cli, tiny_config_dict, write_config
 
 
 class _SleepClient:
@@ -157,6 +157,23 @@ def test_engine_path_end_to_end(engine_bench):
     assert data["machine"]["cpu"] and data["machine"]["torch"]
     assert (out / "serving.png").stat().st_size > 10_000
     assert "speculative_fixed" in stdout and "wrote" in stdout
+
+
+def test_an_ngram_config_is_benchmarked_with_lookups(tiny_pair, tmp_path):
+    """The config's speculative.method reaches the benchmarked engine: an n-gram config has no draft engine."""
+    from pipeline.config import load_config
+    from pipeline.stages import run_stages
+
+    data = tiny_config_dict(tiny_pair, name="tiny-ngram")
+    data.pop("draft")
+    config_path = write_config(tmp_path, {**data, "speculative": {**data["speculative"], "method": "ngram"}})
+    run_stages(load_config(config_path), tmp_path / "engines", ("convert", "build"))
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(tmp_path / "engines"), "--paths", "engine",
+                     "--modes", "speculative_fixed", "--concurrency", "1", "--requests", "2", "--max-tokens", "6",
+                     "--rounds", "1", "--hf-rounds", "0", "--num-prompts", "2", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (record,) = json.loads((tmp_path / "out" / "serving.json").read_text())["records"]
+    assert record["mode"] == "speculative_fixed" and record["tokens"] > 0
 
 
 def test_bad_flags_name_the_flag(built_engines):

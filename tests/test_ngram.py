@@ -69,6 +69,27 @@ def test_greedy_output_is_the_target_greedy_output(pair, method):
         assert set(total.by_proposer) == {"ngram"}
 
 
+def test_adaptive_k_governs_lookup_rows(pair, monkeypatch):
+    """Serving's adaptive K must cap n-gram rows too: a free proposal still widens the verify, and at a large batch
+    that costs more than the lookups save (bench-serve measured 0.71x target-only before the cap applied)."""
+    target, _, tok = pair
+    ex = SpeculativeExecutor(target, None, tok, max_draft_len=4, method="ngram", adaptive_draft_len=True,
+                             max_batch_size=4)
+    seen = []
+
+    def never_pays(rates, limits, uses_model=None):
+        seen.append(list(uses_model))
+        return 0
+
+    monkeypatch.setattr(ex.engine.policy, "choose", never_pays)
+    capped = ex.generate(REPEATING, 24)
+    assert seen and all(flags == [False] * len(flags) for flags in seen)  # lookup rows run no draft forward
+    assert sum(r.stats.draft_tokens for r in capped) == 0
+    named = ex.run([ex.new_request(tok(REPEATING[0])["input_ids"], 24, max_draft_len=4)])[0]
+    assert named.stats.draft_tokens > 0  # a request that named its K is never capped
+    assert named.token_ids == capped[0].token_ids
+
+
 def test_hybrid_choice_follows_each_proposers_record_and_cost(pair):
     from pipeline.executor.proposers import choose_proposal
 

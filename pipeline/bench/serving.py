@@ -435,6 +435,7 @@ def cmd_bench_serve(args) -> int:
     from ..errors import PipelineError
     from ..executor import SpeculativeExecutor
     from ..executor.serving import EngineLoop
+    from ..run_cmd import proposer_options
     from .cli import _check_range
     from .prompts import load_prompt_set, pair_seed_of
     from .runner import fit_prompt, git_commit, machine_info, timestamp
@@ -463,7 +464,8 @@ def cmd_bench_serve(args) -> int:
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
     device = None if config.runtime.device == "auto" else config.runtime.device
-    executor = SpeculativeExecutor.from_engines(root, device=device, adaptive_draft_len=True)
+    executor = SpeculativeExecutor.from_engines(root, device=device, adaptive_draft_len=True,
+                                                **proposer_options(config))
     prompts = [fit_prompt(executor, text, options.max_tokens) for text in texts]
     k = executor.max_draft_len
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])

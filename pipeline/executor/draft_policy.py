@@ -89,17 +89,23 @@ class DraftPolicy:
         self.drafted += drafted
         self.accepted += accepted
 
-    def choose(self, row_rates: Sequence[float], row_limits: Sequence[int]) -> int:
-        """The K cap maximising expected tokens per second for rows with these acceptance estimates and K limits."""
+    def choose(self, row_rates: Sequence[float], row_limits: Sequence[int],
+               uses_model: Sequence[bool] | None = None) -> int:
+        """The K cap maximising expected tokens per second for rows with these acceptance estimates and K limits.
+
+        ``uses_model[r]``: row r drafts with the draft model (K draft forwards); False for n-gram lookup rows,
+        whose proposals cost nothing but the wider verify (default: every row uses the model)."""
         rows = len(row_rates)
         if rows == 0:
             return 0
+        uses_model = [True] * rows if uses_model is None else list(uses_model)
         best_k, best = 0, rows / self.target(rows)
         for k in range(1, self.k_max + 1):
             ks = [min(k, limit) for limit in row_limits]
             tokens = sum(expected_tokens_per_step(a, kr) for a, kr in zip(row_rates, ks))
-            drafting = sum(1 for kr in ks if kr > 0)
-            seconds = k * self.draft(drafting) + self.target(sum(kr + 1 for kr in ks))
+            drafting = sum(1 for kr, model in zip(ks, uses_model) if kr > 0 and model)
+            draft_seconds = k * self.draft(drafting) if drafting else 0.0
+            seconds = draft_seconds + self.target(sum(kr + 1 for kr in ks))
             if tokens / seconds > best:
                 best_k, best = k, tokens / seconds
         return best_k

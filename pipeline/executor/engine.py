@@ -21,7 +21,7 @@ from ..speculative import accept_matching, accept_rejection, logits_to_probs, sa
 from ..speculative.ngram import one_hot_probs
 from .draft_policy import DraftPolicy
 from .model_runner import BatchModelRunner
-from .proposers import DRAFT, NgramSettings, choose_proposal
+from .proposers import DRAFT, NGRAM, NgramSettings, choose_proposal
 from .request import SpecRequest
 from .results import StreamEvent
 from .scheduler import Scheduler
@@ -48,7 +48,8 @@ class SpeculativeEngine:
         self.ngram = ngram or NgramSettings()
         self._seconds = {"draft": 0.0, "target": 0.0}  # running means of one forward's time (cost ratio c)
         self._steps = 0
-        self.policy = DraftPolicy(k_max) if adaptive_k and draft_model is not None and k_max > 0 else None
+        # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
+        self.policy = DraftPolicy(k_max) if adaptive_k and k_max > 0 else None
         if self.policy is not None:
             self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
 
@@ -94,7 +95,7 @@ class SpeculativeEngine:
         # The last prompt token stays unseen: it is the first input of the request's first step.
         context = request.sequence[:-1]
         self.target.prefill(slot, context)
-        if self.draft is not None and request.plan.k_max > 0 and request.method != "ngram":
+        if self.draft is not None and request.plan.k_max > 0 and request.method != NGRAM:
             self.draft.prefill(slot, context)
 
     @property
@@ -111,7 +112,9 @@ class SpeculativeEngine:
                 cap = 0  # measure what a plain step costs at this batch now and then, so K competes with real data
             else:
                 rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
-                cap = self.policy.choose(rates, [r.draft_len() for r in rows])
+                # ngram+draft rows count as model rows: the draft's cost bounds what their step can cost.
+                uses_model = [self.draft is not None and r.method != NGRAM for r in rows]
+                cap = self.policy.choose(rates, [r.draft_len() for r in rows], uses_model)
         return [r.draft_len(cap) for r in rows]
 
     def _propose(self, rows: list[SpecRequest], ks: list[int]
