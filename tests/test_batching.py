@@ -230,6 +230,17 @@ def test_draft_policy_stops_drafting_when_it_does_not_pay():
         slow_draft.draft.record(tokens, 0.010)
     assert slow_draft.choose([0.5], [6]) == 0
     assert slow_draft.choose([0.5], [6], uses_model=[False]) >= 1
+    lookups = DraftPolicy(k_max=8)
+    for tokens, seconds in ((1, 0.010), (2, 0.0101), (9, 0.011)):
+        lookups.target.record(tokens, seconds)
+    assert lookups.choose([0.5], [8], uses_model=[False]) >= 1
+    assert lookups.choose([0.17], [0], uses_model=[False]) == 0  # no match found: nothing to verify
+    # Rows are padded to the widest in the verify: one row's long lookup widens every row's, and at batch 8 with
+    # a compute-bound target that costs more than the one row gains.
+    padded = DraftPolicy(k_max=8)
+    for tokens, seconds in ((8, 0.008), (16, 0.0085), (72, 0.072)):  # cheap to 16 tokens, compute-bound to 72
+        padded.target.record(tokens, seconds)
+    assert padded.choose([0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) == 0
 
 
 ARCHITECTURES = {

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample
-from ..speculative.ngram import one_hot_probs
+from ..speculative.ngram import one_hot_probs, propose_ngram
 from .draft_policy import DraftPolicy
 from .model_runner import BatchModelRunner
 from .proposers import DRAFT, NGRAM, NgramSettings, choose_proposal
@@ -114,8 +114,16 @@ class SpeculativeEngine:
                 rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
                 # ngram+draft rows count as model rows: the draft's cost bounds what their step can cost.
                 uses_model = [self.draft is not None and r.method != NGRAM for r in rows]
-                cap = self.policy.choose(rates, [r.draft_len() for r in rows], uses_model)
+                cap = self.policy.choose(rates, [self._proposal_limit(r) for r in rows], uses_model)
         return [r.draft_len(cap) for r in rows]
+
+    def _proposal_limit(self, request: SpecRequest) -> int:
+        """The most tokens a row can propose this step: a lookup-only row proposes what its lookup finds (often
+        nothing), and verifying costs only that."""
+        k = request.draft_len()
+        if request.method != NGRAM or k == 0:
+            return k
+        return len(propose_ngram(request.sequence, k, self.ngram.min_match, self.ngram.max_match))
 
     def _propose(self, rows: list[SpecRequest], ks: list[int]
                  ) -> tuple[list[list[int]], list[list[torch.Tensor]], list[str | None]]:
