@@ -195,6 +195,9 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
 
     if config.backend == "trtllm":
         _check_parallel(config, hf_configs["target"], report)
+    elif "kv_cache" in config.build.model_fields_set:
+        report.warnings.append("build.kv_cache: set, but only backend trtllm uses it; the torch backend keeps one KV "
+                               "row per running request and recomputes every prompt (no block reuse)")
     from .triton.server import bind_address_problem
 
     if problem := bind_address_problem(config.serve.bind_address):

@@ -102,11 +102,15 @@ class ParallelSpec(_Section):
 
 
 class KVCacheSpec(_Section):
-    paged: bool = Field(True, description="Paged KV cache (required by draft_tokens_external on TensorRT-LLM).")
-    tokens_per_block: int = Field(64, description="Tokens per KV block (power of two).")
+    """TensorRT-LLM's KV cache manager; the torch backend keeps one growing KV row per running request instead and
+    reads none of these (it recomputes every prompt: no reuse across requests)."""
+
+    paged: bool = Field(True, description="trtllm: paged KV cache (required by draft_tokens_external).")
+    tokens_per_block: int = Field(64, description="trtllm: tokens per KV block (power of two).")
     free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0,
-                                         description="Share of free GPU memory the KV cache may take.")
-    enable_block_reuse: bool = Field(True, description="Reuse KV blocks across requests and draft steps.")
+                                         description="trtllm: share of free GPU memory the KV cache may take.")
+    enable_block_reuse: bool = Field(True, description="trtllm: reuse KV blocks across requests and draft steps "
+                                                       "(the torch backend recomputes every prompt).")
 
     @field_validator("tokens_per_block")
     @classmethod

@@ -46,6 +46,15 @@ def test_check_refuses_a_different_tokenizer(tiny_pair, tmp_path, other_tokenize
     assert "tokenizer differs" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_check_says_kv_cache_settings_do_nothing_on_torch(tiny_pair, tmp_path):
+    assert not any("kv_cache" in w for w in check_pair(load_config(write_config(
+        tmp_path, tiny_config_dict(tiny_pair)))).warnings)
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"kv_cache": {"enable_block_reuse": True}}))
+    report = check_pair(load_config(cfg))
+    assert any(w.startswith("build.kv_cache: set, but only backend trtllm uses it") for w in report.warnings)
+    assert not report.errors
+
+
 def test_check_refuses_too_long_max_seq_len(tiny_pair, tmp_path):
     cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"max_input_len": 100, "max_seq_len": 4096}))
     with pytest.raises(CompatibilityError, match=r"build.max_seq_len: 4096 exceeds target max_position_embeddings"):
