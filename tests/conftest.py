@@ -88,6 +88,16 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int 
                           timeout=timeout)
 
 
+def load_tiny_models(pair: Path):
+    """(target, draft, tokenizer) of a tiny pair folder, float32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = AutoModelForCausalLM.from_pretrained(pair / "target", dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(pair / "draft", dtype=torch.float32).eval()
+    return target, draft, AutoTokenizer.from_pretrained(pair / "target")
+
+
 def copy_tree(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst

@@ -11,9 +11,8 @@ import threading
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import tiny_vocab_model
+from conftest import load_tiny_models, tiny_vocab_model
 
 from pipeline.executor import SpeculativeExecutor
 from pipeline.executor.draft_policy import DraftPolicy
@@ -26,9 +25,7 @@ PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __ini
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(tiny_pair / "draft", dtype=torch.float32).eval()
-    return target, draft, AutoTokenizer.from_pretrained(tiny_pair / "target")
+    return load_tiny_models(tiny_pair)
 
 
 def hf_greedy(model, ids: list[int], n: int) -> list[int]:

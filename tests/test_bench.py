@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_config_dict, write_config
+from conftest import load_tiny_models, tiny_config_dict, write_config
 
 from pipeline.bench.analytic import speedup_bound
 from pipeline.cli import main
@@ -118,16 +118,12 @@ def test_prompt_sets_are_deterministic_and_nonempty():
 def test_bench_runs_on_the_trtllm_executor_over_a_fake_engine(tiny_pair):
     """`bench` on a trtllm config used to crash (the executor lacked the limits the bench reads); here it runs on
     the TensorRT-LLM executor over FAKE engines (tests/fake_trtllm.py): call-level cost terms, no HF baselines."""
-    import torch
     from fake_trtllm import FakeTrtllmEngine
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from pipeline.bench.runner import BenchOptions, run_bench
     from pipeline.executor.trtllm_executor import EngineLimits, TrtllmSpeculativeExecutor
 
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(tiny_pair / "draft", dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(tiny_pair / "target")
+    target, draft, tok = load_tiny_models(tiny_pair)
     ex = TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), FakeTrtllmEngine(draft), tok, EngineLimits(64, 128, 2),
                                    max_draft_len=2, acceptance="greedy")
     notes_seen = []

@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
+from conftest import load_tiny_models
+
 from pipeline.executor import RequestError, SpeculativeExecutor
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "x = [1, 2"]
@@ -15,11 +17,7 @@ PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __ini
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(tiny_pair / "draft", dtype=torch.float32).eval()
-    from transformers import AutoTokenizer
-
-    return target, draft, AutoTokenizer.from_pretrained(tiny_pair / "target")
+    return load_tiny_models(tiny_pair)
 
 
 @pytest.fixture(scope="module")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from conftest import load_tiny_models
 from fake_trtllm import FakeTrtllmEngine
 from pipeline.executor import RequestError, SpeculativeExecutor
 from pipeline.executor.trtllm_executor import EngineLimits, TrtllmSpeculativeExecutor, step_seed
@@ -17,9 +17,7 @@ N = 20
 
 @pytest.fixture(scope="module")
 def models(tiny_pair):
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(tiny_pair / "draft", dtype=torch.float32).eval()
-    return target, draft, AutoTokenizer.from_pretrained(tiny_pair / "target")
+    return load_tiny_models(tiny_pair)
 
 
 @pytest.fixture(scope="module")

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from conftest import tiny_vocab_model
+from conftest import load_tiny_models, tiny_vocab_model
 
 from pipeline.executor import SpeculativeExecutor
 from pipeline.executor.proposers import NgramSettings
@@ -36,9 +35,7 @@ def test_one_hot_probs():
 
 @pytest.fixture(scope="module")
 def pair(tiny_pair):
-    target = AutoModelForCausalLM.from_pretrained(tiny_pair / "target", dtype=torch.float32).eval()
-    draft = AutoModelForCausalLM.from_pretrained(tiny_pair / "draft", dtype=torch.float32).eval()
-    return target, draft, AutoTokenizer.from_pretrained(tiny_pair / "target")
+    return load_tiny_models(tiny_pair)
 
 
 REPEATING = ["x = compute(a, b)\ny = compute(a, b)\nz = compute(", "def f(self):\n    return self.value\n"

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from pathlib import Path
 
 import pytest
-import yaml
 
 from conftest import run_cli, tiny_config_dict, write_config
 from pipeline.config import load_config, parse_config

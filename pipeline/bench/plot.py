@@ -47,6 +47,13 @@ def plot_results(records: list[dict], out: Path, title: str) -> Path:
     for ax in (ax_speed, ax_acc):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
+    return save_figure(fig, out, title)
+
+
+def save_figure(fig, out: Path, title: str) -> Path:
+    """Title, lay out and write a benchmark figure as PNG, then free it (figures are never shown)."""
+    import matplotlib.pyplot as plt
+
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .plot import save_figure
+
 PATH_STYLES = {"engine": "o-", "triton": "s--", "triton_stream": "^:"}
 
 
@@ -32,9 +34,4 @@ def plot_serving(records: list[dict], out: Path, title: str) -> Path:
         ax.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.grid(alpha=0.3, which="both")
     axes[0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out, title)
