@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
+from .dtypes import DtypeChoice, checkpoint_dtype, resolve_dtype, torch_device
 from .errors import CompatibilityError
 from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights, weights_nonfinite
 
@@ -28,12 +29,17 @@ class CheckReport:
     ok: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
-    defaults: list[str] = field(default_factory=list)  # build limits the config left out, as derived
-    build: BuildSpec | None = None  # config.build with those limits filled in (apply with with_build)
+    defaults: list[str] = field(default_factory=list)  # build limits and dtypes the config left out, as derived
+    build: BuildSpec | None = None  # config.build with those limits filled in
+    dtypes: dict[str, DtypeChoice] = field(default_factory=dict)  # per role, as resolved
 
     def raise_if_failed(self) -> None:
         if self.errors:
             raise CompatibilityError("; ".join(self.errors))
+
+    def resolved(self, config: PipelineConfig) -> PipelineConfig:
+        """``config`` with the derived limits and dtypes filled in: what the stages and manifests use."""
+        return _with_resolved(config, self.build or config.build, self.dtypes)
 
 
 def max_positions(hf_config: dict) -> int | None:
@@ -66,21 +72,34 @@ def resolve_build_limits(build: BuildSpec, model_limits: dict[str, int | None]) 
     return build.model_copy(update={"max_seq_len": seq_len, "max_input_len": input_len}), notes
 
 
-def with_build(config: PipelineConfig, build: BuildSpec) -> PipelineConfig:
-    """A copy of ``config`` with ``build`` (the private base_dir comes along)."""
-    return config.model_copy(update={"build": build})
+def resolve_dtypes(config: PipelineConfig, hf_configs: dict[str, dict]) -> dict[str, DtypeChoice]:
+    """The concrete dtype of each role (see pipeline/dtypes.py); ``hf_configs``: each role's config.json."""
+    device = "cuda" if config.backend == "trtllm" else torch_device(config.runtime.device)
+    return {role: resolve_dtype(getattr(config, role).dtype, checkpoint_dtype(hf_configs[role]), config.backend,
+                                device) for role in hf_configs}
 
 
-def with_build_limits(config: PipelineConfig) -> PipelineConfig:
-    """``config`` with concrete build limits, what every stage and manifest uses: as written when the config
-    sets both, else derived from the models' config files (see resolve_build_limits)."""
-    if config.build.max_seq_len is not None and config.build.max_input_len is not None:
+def _with_resolved(config: PipelineConfig, build: BuildSpec, dtypes: dict[str, DtypeChoice]) -> PipelineConfig:
+    """A copy of ``config`` with ``build`` and the roles' dtypes (the private base_dir comes along)."""
+    update: dict = {"build": build}
+    for role, choice in dtypes.items():
+        update[role] = getattr(config, role).model_copy(update={"dtype": choice.dtype})
+    return config.model_copy(update=update)
+
+
+def with_resolved_defaults(config: PipelineConfig) -> PipelineConfig:
+    """``config`` with concrete build limits and dtypes, what every stage and manifest uses: as written where the
+    config sets them, else derived from the models' config files (resolve_build_limits, resolve_dtypes)."""
+    auto_roles = [role for role in config.roles if getattr(config, role).dtype == "auto"]
+    if config.build.max_seq_len is not None and config.build.max_input_len is not None and not auto_roles:
         return config
-    limits = {}
+    hf_configs = {}
     for role in config.roles:
         model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=False)
-        limits[role] = max_positions(read_hf_config(model))
-    return with_build(config, resolve_build_limits(config.build, limits)[0])
+        hf_configs[role] = read_hf_config(model)
+    limits = {role: max_positions(hf) for role, hf in hf_configs.items()}
+    build = resolve_build_limits(config.build, limits)[0]
+    return _with_resolved(config, build, resolve_dtypes(config, {r: hf_configs[r] for r in auto_roles}))
 
 
 def architecture(hf_config: dict) -> str:
@@ -176,6 +195,10 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     limits = {role: max_positions(hf_configs[role]) for role in config.roles}
     build, report.defaults = resolve_build_limits(config.build, limits)
     report.build = build
+    report.dtypes = resolve_dtypes(config, hf_configs)
+    for role, choice in report.dtypes.items():
+        if getattr(config, role).dtype == "auto":
+            report.defaults.append(f"{role}.dtype: {choice.dtype} ({choice.reason})")
     for role, limit in limits.items():
         # A derived max_seq_len never exceeds a limit: only a value the config sets can get here.
         if limit is not None and build.max_seq_len > limit:

@@ -27,7 +27,7 @@ DEFAULT_MAX_SEQ_LEN_CAP = 8192
 # The one-line error lists this many problems at most (a hostile file can hold thousands).
 MAX_LISTED_ERRORS = 8
 
-Dtype = Literal["float32", "float16", "bfloat16"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 
 
 class _Section(BaseModel):
@@ -40,7 +40,11 @@ class ModelSpec(_Section):
     model: str = Field(description="Hugging Face repo id (org/name) or a local folder; relative paths are "
                                    "resolved against the folder that holds the config file.")
     revision: str | None = Field(None, description="Hub branch, tag or commit; ignored for local folders.")
-    dtype: Dtype = Field("bfloat16", description="Weight and activation dtype of the built engine.")
+    dtype: Dtype = Field(
+        "auto", description="Weight and activation dtype of the built engine. 'auto': the checkpoint's own dtype where "
+                            "the device runs it natively, float32 on a CPU without native 16-bit matmul, 16-bit on "
+                            "trtllm (see pipeline/dtypes.py); `check` prints the choice and why. Greedy speculative "
+                            "output equals target-only token for token in float32; in 16 bits a near tie can flip.")
     trust_remote_code: bool = Field(False, description="Run modelling code shipped with the checkpoint. Off by "
                                                        "default: it executes code from the model repository.")
     allow_pickle: bool = Field(False, description="Allow loading *.bin/*.pt pickle weights when no safetensors "

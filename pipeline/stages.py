@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage, verify_outputs
 from .backends import get_backend
-from .checks import CheckReport, check_pair, with_build, with_build_limits
+from .checks import CheckReport, check_pair, with_resolved_defaults
 from .config import PipelineConfig
 from .errors import EngineError
 from .layout import Layout
@@ -61,7 +61,7 @@ def _completed(layout: Layout, role: str, stage: str) -> dict:
 
 def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
                dry_run: bool = False, verify: bool = False) -> StageResult | list[str]:
-    config = with_build_limits(config)  # the argv and engine.json need numbers (a no-op when resolved)
+    config = with_resolved_defaults(config)  # argv and engine.json need numbers and dtypes (no-op when resolved)
     backend = get_backend(config.backend)
     checkpoint_dir = layout.stage_dir(role, "convert")
     out_dir = layout.stage_dir(role, "build")
@@ -78,7 +78,7 @@ def verify_engines(config: PipelineConfig, engines_dir: Path) -> Layout:
     edited: checked by size, and by hash for the small metadata files), or built from a config other than this
     one."""
     layout = Layout.for_config(config, engines_dir)
-    config = with_build_limits(config)  # the build manifests hold the limits the engines were built with
+    config = with_resolved_defaults(config)  # the build manifests hold the limits and dtypes built with
     for role in config.roles:
         folder = layout.stage_dir(role, "build")
         manifest = _completed(layout, role, "build")
@@ -110,9 +110,9 @@ def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...
     """
     if "convert" in stages:
         print(f"check {config.name} ({config.backend} backend)")
-        config = with_build(config, run_check(config, with_weights=True).build)
+        config = run_check(config, with_weights=True).resolved(config)
     else:
-        config = with_build_limits(config)
+        config = with_resolved_defaults(config)
     layout = Layout.for_config(config, engines_dir)
     results: list[StageResult] = []
     with build_lock(layout.root):

@@ -48,9 +48,9 @@ def _engine_keys(plan: DeployPlan) -> dict[str, str]:
 
 def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
            tokenizer_dir: str | None = None) -> StageResult:
-    from ..checks import with_build_limits
+    from ..checks import with_resolved_defaults
 
-    config = with_build_limits(config)  # the manifest records the limits the engines were built with
+    config = with_resolved_defaults(config)  # the manifest records the limits and dtypes built with
     plan = DeployPlan.for_config(config, engines_dir)
     if config.backend == "torch":
         inputs = {"engines": _engine_keys(plan), "model_py": sha256_file(torch_repo.MODEL_FILE),
