@@ -8,6 +8,7 @@ INVALID_ARG response naming the input. Any other exception would reach the clien
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -15,12 +16,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from pipeline.chat import ROLES
 from pipeline.executor import RequestError
 from pipeline.triton.request_inputs import (FALLBACK_MAX_INPUT_LEN, MAX_BYTES_PER_TOKEN, GenerateArgs,
                                             parse_request)
 from pipeline.triton.torch_repo import INPUTS
 
-NAMES = [name for name, _, _ in INPUTS]  # text_input, input_ids, max_tokens, temperature, top_k, ...
+NAMES = [name for name, _, _ in INPUTS]  # text_input, input_ids, messages, max_tokens, temperature, top_k, ...
+PROMPTS = ["text_input", "input_ids", "messages"]
 K_LIMIT = 4
 
 NUMERIC_DTYPES = [np.dtype(t) for t in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16, np.uint32,
@@ -46,11 +49,25 @@ def _int_values(dtype):
                      st.integers(int(info.min), int(info.max)))
 
 
+def _json_messages():
+    """JSON text of message lists, mostly well formed, with wrong roles, types, keys and shapes mixed in."""
+    text = st.text(max_size=12)
+    role = st.one_of(st.sampled_from(ROLES), text, st.integers(), st.none())
+    content = st.one_of(text, text, st.integers(), st.lists(text, max_size=2), st.none())
+    message = st.one_of(st.fixed_dictionaries({"role": role, "content": content}),
+                        st.fixed_dictionaries({"role": role, "content": content, "name": text}),
+                        st.dictionaries(text, text, max_size=2), text, st.integers())
+    value = st.one_of(st.lists(message, max_size=3), message, st.none(), st.floats())
+    return st.one_of(value.map(lambda v: json.dumps(v).encode()), st.binary(max_size=12))
+
+
 def plausible_array(name: str):
     """Per-input values of the declared dtype and [1, 1] shape, mostly in range so the valid path is reached
     often, with out-of-range, NaN, inf and extreme values mixed in."""
     if name == "text_input":
         return _bytes_array((1, 1))
+    if name == "messages":
+        return _json_messages().map(lambda raw: np.array([[raw]], dtype=np.object_))
     if name == "input_ids":
         return st.integers(0, 6).flatmap(lambda n: hnp.arrays(np.int32, (1, n), elements=_int_values(np.int32)))
     if name in ("temperature", "top_p"):
@@ -63,8 +80,10 @@ def plausible_array(name: str):
 @st.composite
 def requests(draw, plausible: bool) -> dict[str, np.ndarray]:
     if plausible:  # one prompt input and max_tokens most of the time, the optional inputs at random
-        prompt = draw(st.sampled_from([["text_input"]] * 3 + [["input_ids"]] * 3 + [[], NAMES[:2]]))
-        names = prompt + [name for name in NAMES[2:] if draw(st.booleans()) or name == "max_tokens"]
+        prompt = draw(st.sampled_from([["text_input"]] * 3 + [["input_ids"]] * 3 + [["messages"]] * 3
+                                      + [[], PROMPTS[:2], PROMPTS[::2]]))
+        names = prompt + [name for name in NAMES if name not in PROMPTS
+                          and (draw(st.booleans()) or name == "max_tokens")]
         names = draw(st.permutations(names))  # also some without max_tokens
         names = names[:len(names) - draw(st.sampled_from([0] * 7 + [1]))]
         return {name: draw(plausible_array(name)) for name in names}
@@ -76,11 +95,16 @@ def check(request: dict[str, np.ndarray]) -> GenerateArgs | None:
     try:
         args = parse_request(request.get, K_LIMIT)
     except RequestError as exc:
-        # A clear error names the input it is about (or the text_input / input_ids pair) first.
+        # A clear error names the input it is about (or the text_input / input_ids / messages trio) first.
         assert str(exc).split(":")[0].split(" /")[0] in NAMES, str(exc)
         return None
     # Anything accepted is within the documented ranges and of plain Python types the executor takes.
-    assert isinstance(args.prompt, str) or all(type(t) is int for t in args.prompt)
+    if args.messages is not None:  # a chat: checked messages, encoded later with the model's tokenizer
+        assert args.prompt is None and args.messages
+        assert all(set(m) == {"role", "content"} and m["role"] in ROLES and type(m["content"]) is str
+                   for m in args.messages)
+    else:
+        assert isinstance(args.prompt, str) or all(type(t) is int for t in args.prompt)
     assert type(args.max_new_tokens) is int and 1 <= args.max_new_tokens <= 2**31 - 1
     assert type(args.temperature) is float and math.isfinite(args.temperature) and args.temperature >= 0
     assert type(args.top_k) is int and args.top_k >= 0
@@ -208,3 +232,58 @@ def test_max_tokens_beyond_int32_is_refused_not_wrapped():
     # 2147483648 in JSON reaches an INT32 model as -2147483648 (Triton cuts the high bits): say so
     wrapped = message(np.int32(-2**31), np.int32)
     assert "wrapped around" in wrapped and "at most 2147483647" in wrapped, wrapped
+
+
+# ---- the messages input (issue 18) ----------------------------------------------------------------------------------
+
+def _messages_request(raw: bytes, **extra) -> dict[str, np.ndarray]:
+    return {"messages": np.array([[raw]], dtype=np.object_), "max_tokens": np.array([[4]], dtype=np.int32), **extra}
+
+
+def test_messages_input_is_parsed_and_checked_not_yet_encoded():
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|>"}]
+    args = check(_messages_request(json.dumps(chat).encode()))
+    assert args.prompt is None and args.messages == chat
+
+
+@given(_json_messages())
+def test_messages_parse_or_name_the_input(raw):
+    check(_messages_request(raw))
+
+
+def _error(request) -> str:
+    try:
+        parse_request(request.get, K_LIMIT, max_input_len=64)
+    except RequestError as exc:
+        return str(exc)
+    raise AssertionError("accepted")
+
+
+def test_messages_errors_name_the_input_and_the_fix():
+    assert _error(_messages_request(b"[{'role': 'user'}]")).startswith("messages: not valid JSON")
+    assert _error(_messages_request(b"[" * 100_000 + b"]" * 100_000)).startswith("messages: ")  # bytes limit first
+    assert _error(_messages_request(b'[{"role": "user", "content": 1}]')) == (
+        "messages: message 0 content is int 1; it must be a string (the message text)")
+    both = _messages_request(b"[]", text_input=np.array([[b"x"]], dtype=np.object_))
+    assert _error(both).startswith("text_input / input_ids / messages: send exactly one of them")
+    deep = b"[" * 50 + b"]" * 50  # nested past nothing we accept, under the byte limit
+    assert _error(_messages_request(deep)).startswith("messages: message 0 is list")
+
+
+def test_executor_prompt_encodes_the_chat_and_stops_at_the_turn_end(real_model_dir, tiny_pair):
+    from transformers import AutoTokenizer
+
+    from pipeline.chat import encode_chat
+
+    chat = [{"role": "user", "content": "Hi"}]
+    args = check(_messages_request(json.dumps(chat).encode()))
+    tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
+    assert args.executor_prompt(tokenizer) == (encode_chat(tokenizer, chat), [2])  # <|im_end|>
+    text = check({"text_input": np.array([[b"Hi"]], np.object_), "max_tokens": np.array([[4]], np.int32)})
+    assert text.executor_prompt(tokenizer) == ("Hi", [])
+    try:
+        args.executor_prompt(AutoTokenizer.from_pretrained(tiny_pair / "target"), "the served model (tiny)")
+    except RequestError as exc:
+        assert str(exc).startswith("messages: the tokenizer in the served model (tiny) has no chat template")
+    else:
+        raise AssertionError("a chat was encoded without a chat template")

@@ -24,8 +24,9 @@ from pipeline.triton.request_inputs import parse_request
 def trtllm_config_dict(name: str = "big-tp4") -> dict:
     return {
         "name": name, "backend": "trtllm",
-        "target": {"model": "meta-llama/Llama-3.3-70B-Instruct"},
-        "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct"},
+        # dtype written: auto would read each model's config.json, which this offline test has no copy of
+        "target": {"model": "meta-llama/Llama-3.3-70B-Instruct", "dtype": "bfloat16"},
+        "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16"},
         "speculative": {"max_draft_len": 5, "acceptance": "rejection"},
         "build": {"max_batch_size": 8, "max_input_len": 4096, "max_seq_len": 8192, "parallel": {"tp": 4, "pp": 1},
                   "kv_cache": {"free_gpu_mem_fraction": 0.85}},

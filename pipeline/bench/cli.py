@@ -17,11 +17,16 @@ def add_bench_parsers(sub, common) -> None:
         description="Measure tokens/s, latency, acceptance and the cost terms of the analytic speedup model on "
                     "the same prompts for every method; writes engines/<name>/bench/results.json and a PNG plot.")
     common(p)
-    p.add_argument("--prompt-set", default="code",
+    p.add_argument("--prompt-set", default=None,
                    help=f"built-in prompts: {', '.join(PROMPT_SETS)}, a comma list of them, or 'all' "
                         f"(default code)")
+    p.add_argument("--prompts", type=Path, default=None, metavar="FILE",
+                   help="your own prompts instead of --prompt-set: text lines (\\n for newlines), a JSON list, or "
+                        "JSONL with text or messages (chats go through the chat template) and an optional set label; "
+                        "records are grouped by set")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens generated per prompt (default 64)")
-    p.add_argument("--num-prompts", type=int, default=8, help="prompts per set (default 8)")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="prompts per set (default 8 of a built-in set, every prompt of a --prompts file)")
     p.add_argument("--k-max", type=int, default=8, help="largest K of the sweep (default 8)")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of every method, interleaved (default 3)")
     p.add_argument("--skip-hf", action="store_true", help="leave out Hugging Face generate() (plain and assisted)")
@@ -35,7 +40,8 @@ def add_bench_parsers(sub, common) -> None:
                     "and K with the highest expected speedup.")
     common(p)
     p.add_argument("--prompts", type=Path, required=True,
-                   help="file with one prompt per line (\\n for newlines) or a JSON list of strings")
+                   help="prompts file: one per line (\\n for newlines), a JSON list, or JSONL with text or messages "
+                        "(chats go through the target's chat template)")
     p.add_argument("--draft", action="append", default=[], metavar="MODEL",
                    help="candidate draft (folder or hub id); repeatable; default: the config's draft")
     p.add_argument("--k-max", type=int, default=8, help="largest K considered (default 8)")
@@ -80,6 +86,9 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    from ..checks import with_resolved_defaults
+
+    config = with_resolved_defaults(config)  # dtype: auto -> the dtype the build would choose
     target = resolve_model(config.target, "target", config.base_dir).path
     draft = resolve_model(config.draft, "draft", config.base_dir).path if config.draft is not None else None
     executor = SpeculativeExecutor.from_pretrained(target, draft, max_draft_len=k_max, device=device,
@@ -89,39 +98,62 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
     return executor, f"model folders {target.parent}"
 
 
+def builtin_prompt_sets(spec: str, num_prompts: int, config) -> dict[str, list[str]]:
+    """--prompt-set: "code", a comma list of built-in sets, or "all"."""
+    from .prompts import PROMPT_SETS, load_prompt_set, pair_seed_of
+
+    sets = list(PROMPT_SETS) if spec == "all" else [s.strip() for s in spec.split(",")]
+    target_folder = config.base_dir / config.target.model
+    pair_seed = pair_seed_of(target_folder) if target_folder.is_dir() else 0
+    try:
+        return {name: load_prompt_set(name, num_prompts, pair_seed=pair_seed) for name in sets}
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
 def cmd_bench(args) -> int:
     from ..config import load_config
     from .plot import plot_results
-    from .prompts import PROMPT_SETS, load_prompt_set, pair_seed_of
     from .records import format_table
     from .runner import BenchOptions, git_commit, machine_info, run_bench, timestamp
 
     _check_range("--max-new-tokens", args.max_new_tokens, 2, fix="latency needs at least two tokens")
-    _check_range("--num-prompts", args.num_prompts, 1)
+    if args.num_prompts is not None:
+        _check_range("--num-prompts", args.num_prompts, 1)
     _check_range("--k-max", args.k_max, 1, MAX_DRAFT_LEN_LIMIT)
     _check_range("--repeats", args.repeats, 1)
-    sets = list(PROMPT_SETS) if args.prompt_set == "all" else [s.strip() for s in args.prompt_set.split(",")]
+    if args.prompts is not None and args.prompt_set is not None:
+        raise PipelineError("--prompt-set and --prompts: pass one of them (a built-in set, or your own file, whose "
+                            "set labels name the sets)")
     config = load_config(args.config)
-    pair_seed = 0
-    target_folder = config.base_dir / config.target.model
-    if target_folder.is_dir():
-        pair_seed = pair_seed_of(target_folder)
-    try:
-        prompt_sets = {name: load_prompt_set(name, args.num_prompts, pair_seed=pair_seed) for name in sets}
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
-    executor, source = open_executor(config, args.engines_dir, args.k_max)
-    options = BenchOptions(prompt_sets=sets, max_new_tokens=args.max_new_tokens, num_prompts=args.num_prompts,
+    if args.prompts is not None:  # read before anything loads: a bad file fails in milliseconds
+        from ..prompt_files import encode_items, group_by_set, read_prompt_file
+
+        file_sets = {name: items[:args.num_prompts]
+                     for name, items in group_by_set(read_prompt_file(args.prompts, flag="--prompts")).items()}
+        executor, source = open_executor(config, args.engines_dir, args.k_max)
+        # Chats become token ids through the model's chat template; raw text stays text.
+        prompt_sets = {name: encode_items(items, executor.tokenizer, source=config.target.model)
+                       for name, items in file_sets.items()}
+    else:
+        prompt_sets = builtin_prompt_sets(args.prompt_set or "code", args.num_prompts or 8, config)
+        executor, source = open_executor(config, args.engines_dir, args.k_max)
+    sets = list(prompt_sets)
+    num_prompts = max(len(prompts) for prompts in prompt_sets.values())
+    options = BenchOptions(prompt_sets=sets, max_new_tokens=args.max_new_tokens, num_prompts=num_prompts,
                            k_max=args.k_max, repeats=args.repeats, skip_hf=args.skip_hf)
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])  # the code that runs
     records, costs, notes = run_bench(executor, prompt_sets, options)
+    for record in records:  # `set` is the name the prompt-file labels use; `prompt_set` stays for older readers
+        record.setdefault("set", record["prompt_set"])
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
         "config": config.name, "loaded_from": source, "started": started, "finished": timestamp(),
         "git_commit": commit,
         "machine": machine_info(str(executor.device)),
-        "options": {"prompt_sets": sets, "max_new_tokens": args.max_new_tokens, "num_prompts": args.num_prompts,
+        "options": {"prompt_sets": sets, "prompts_file": None if args.prompts is None else str(args.prompts),
+                    "max_new_tokens": args.max_new_tokens, "num_prompts": num_prompts,
                     "k_max": options.k_max, "repeats": args.repeats, "skip_hf": args.skip_hf,
                     "decoding": "greedy, batch 1"},
         "cost_terms": costs.to_dict(), "notes": notes, "records": records,

@@ -56,8 +56,8 @@ class DraftProfile:
                 f"+ {self.verify_cost_ratio[k - 1]:.2f}) = {self.best_speedup:.2f}x")
 
 
-def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, prompts: list[str], k_max: int,
-                  max_new_tokens: int, device: str, dtype: str, cost_repeats: int = 15) -> DraftProfile:
+def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, prompts: list[str | list[int]],
+                  k_max: int, max_new_tokens: int, device: str, dtype: str, cost_repeats: int = 15) -> DraftProfile:
     """Measure one candidate; a draft whose tokenizer differs comes back 'incompatible' instead of raising."""
     from ..executor import RequestError, SpeculativeExecutor
     from .runner import fit_prompt
@@ -87,7 +87,7 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
                         costs.verify_cost_ratio, speedups, best_k, best_speedup)
 
 
-def profile_lookup(target_path: Path, prompts: list[str], k_max: int, max_new_tokens: int, device: str,
+def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int, max_new_tokens: int, device: str,
                    dtype: str, cost_repeats: int = 15) -> DraftProfile:
     """N-gram lookups alone: acceptance per position per target step, c = 0 (no model proposes)."""
     from ..executor import SpeculativeExecutor
@@ -109,8 +109,8 @@ def profile_lookup(target_path: Path, prompts: list[str], k_max: int, max_new_to
                         speedups, best_k, best_speedup, method="ngram")
 
 
-def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str], k_max: int,
-                   max_new_tokens: int, device: str, dtype: str) -> DraftProfile:
+def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str | list[int]],
+                   k_max: int, max_new_tokens: int, device: str, dtype: str) -> DraftProfile:
     """ngram+draft at K = k_max, costed with the draft's measured c and verify cost."""
     from ..executor import SpeculativeExecutor
     from .runner import fit_prompt
@@ -192,24 +192,28 @@ def _resolve_draft(name: str, config) -> Path | None:
 
 def cmd_profile(args) -> int:
     from ..config import MAX_DRAFT_LEN_LIMIT, load_config
-    from ..models import resolve_model
-    from ..run_cmd import read_prompts
+    from ..models import load_tokenizer, resolve_model
+    from ..prompt_files import encode_items, read_prompt_file
 
     if not 1 <= args.k_max <= MAX_DRAFT_LEN_LIMIT:
         raise PipelineError(f"--k-max: {args.k_max} must be between 1 and {MAX_DRAFT_LEN_LIMIT}")
     if args.max_new_tokens <= args.k_max:
         raise PipelineError(f"--max-new-tokens: {args.max_new_tokens} must exceed --k-max {args.k_max} so every "
                             f"draft position is measured; raise it")
-    if not args.prompts.is_file():
-        raise PipelineError(f"--prompts: {args.prompts} not found; pass a file with one prompt per line")
-    config = load_config(args.config)
-    prompts = read_prompts([], args.prompts)
+    items = read_prompt_file(args.prompts, flag="--prompts")
+    from ..checks import with_resolved_defaults
+
+    config = with_resolved_defaults(load_config(args.config))  # dtype: auto -> what a build would choose
     device = config.runtime.device
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    target = resolve_model(config.target, "target", config.base_dir).path
+    resolved_target = resolve_model(config.target, "target", config.base_dir)
+    target = resolved_target.path
+    # Chats become token ids through the target's chat template; raw text stays text (the executor encodes it).
+    tokenizer = load_tokenizer(resolved_target) if any(item.is_chat for item in items) else None
+    prompts = encode_items(items, tokenizer, source=config.target.model)
     from tqdm import tqdm
 
     profiles = []

@@ -6,15 +6,21 @@ here cover values (negative max_tokens, top_p out of range, K above the engine's
 is refused by its byte length before it is decoded or tokenized (MAX_BYTES_PER_TOKEN per token of the engine's
 max_input_len), so an oversized request costs microseconds instead of seconds of the only engine thread and
 gigabytes of tokenizer memory; it also bounds how long any accepted prompt takes to tokenize.
+
+The prompt is exactly one of ``text_input`` (a string), ``input_ids`` (token ids) or ``messages`` (JSON text of a
+list of ``{"role", "content"}`` chat messages): the messages are parsed and checked here, and encoded through the
+model's chat template by ``GenerateArgs.executor_prompt`` (pipeline.chat), where the tokenizer is at hand.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
+from ..chat import Message, encode_chat, end_of_turn_ids, validate_messages
 from ..errors import short_repr
 from ..executor.results import RequestError
 
@@ -26,22 +32,32 @@ MAX_BYTES_PER_TOKEN = 32
 FALLBACK_MAX_INPUT_LEN = 32768
 INT32_MAX = 2**31 - 1
 
+PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # a request sends exactly one of them
 GetInput = Callable[[str], "np.ndarray | None"]  # name -> the request's tensor, or None when absent
 
 
 @dataclass(frozen=True)
 class GenerateArgs:
-    prompt: str | list[int]
+    prompt: str | list[int] | None  # text_input or input_ids; None when the request sent messages
     max_new_tokens: int
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
     max_draft_len: int | None = None  # None = the engine's K
+    messages: list[Message] | None = None  # the ``messages`` input, checked but not yet encoded
 
     def executor_kwargs(self) -> dict:
         return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                     top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len)
+
+    def executor_prompt(self, tokenizer, source: str | None = None) -> tuple[str | list[int], list[int]]:
+        """(prompt, extra stop ids) for ``executor.new_request``: a chat is encoded through the tokenizer's chat
+        template (message text as plain text) and stops at the end of the assistant's turn; raises RequestError
+        when the model has no chat template."""
+        if self.messages is None:
+            return self.prompt, []
+        return encode_chat(tokenizer, self.messages, source=source), end_of_turn_ids(tokenizer)
 
 
 def _one(get: GetInput, name: str, kind: str, required: bool = False):
@@ -65,30 +81,52 @@ def max_prompt_bytes(max_input_len: int) -> int:
     return MAX_BYTES_PER_TOKEN * max_input_len
 
 
-def _prompt(get: GetInput, max_input_len: int | None) -> str | list[int]:
-    text, ids = get("text_input"), get("input_ids")
-    if (text is None) == (ids is None):
-        raise RequestError("text_input / input_ids: send exactly one of them (a string, or token ids)")
-    if text is not None:
-        text = np.asarray(text)
-        if text.size != 1:
-            raise RequestError(f"text_input: expected one string per request, got shape {list(text.shape)}")
-        raw = text.reshape(-1)[0]
-        limit = max_prompt_bytes(max_input_len or FALLBACK_MAX_INPUT_LEN)
-        why = f"{MAX_BYTES_PER_TOKEN} bytes per token of max_input_len {max_input_len}, " if max_input_len else ""
-        if isinstance(raw, bytes):  # what Triton hands over
-            size = len(raw)
-        else:  # a str (tests, other callers): characters bound the bytes from below; encode only short ones
-            raw = str(raw)
-            size = len(raw) if len(raw) > limit else len(raw.encode("utf-8", "surrogatepass"))
-        if size > limit:
-            raise RequestError(f"text_input: {size} bytes is over the {limit}-byte limit ({why}refused before "
-                               f"tokenizing); shorten the prompt")
-        try:
-            return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
-        except UnicodeDecodeError as exc:
-            raise RequestError(f"text_input: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
-    ids = np.asarray(ids)
+def _string(value, name: str, max_input_len: int | None) -> str:
+    """The one string of a BYTES input, refused by its size before it is decoded (see the module docstring)."""
+    text = np.asarray(value)
+    if text.size != 1:
+        raise RequestError(f"{name}: expected one string per request, got shape {list(text.shape)}")
+    raw = text.reshape(-1)[0]
+    limit = max_prompt_bytes(max_input_len or FALLBACK_MAX_INPUT_LEN)
+    why = f"{MAX_BYTES_PER_TOKEN} bytes per token of max_input_len {max_input_len}, " if max_input_len else ""
+    if isinstance(raw, bytes):  # what Triton hands over
+        size = len(raw)
+    else:  # a str (tests, other callers): characters bound the bytes from below; encode only short ones
+        raw = str(raw)
+        size = len(raw) if len(raw) > limit else len(raw.encode("utf-8", "surrogatepass"))
+    if size > limit:
+        raise RequestError(f"{name}: {size} bytes is over the {limit}-byte limit ({why}refused before "
+                           f"tokenizing); shorten the prompt")
+    try:
+        return raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+    except UnicodeDecodeError as exc:
+        raise RequestError(f"{name}: not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+
+
+def _messages(value, max_input_len: int | None) -> list[Message]:
+    """``messages``: JSON text of a list of {"role", "content"} messages, checked by pipeline.chat."""
+    text = _string(value, "messages", max_input_len)
+    try:
+        parsed = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # RecursionError: thousands of nested brackets
+        raise RequestError(f"messages: not valid JSON ({str(exc)[:120]}); send JSON text such as "
+                           f'[{{"role": "user", "content": "Hello"}}]') from None
+    return validate_messages(parsed, "messages")
+
+
+def _prompt(get: GetInput, max_input_len: int | None) -> tuple[str | list[int] | None, list[Message] | None]:
+    """(text or token ids, None), or (None, messages)."""
+    given = {name: get(name) for name in PROMPT_INPUTS}
+    given = {name: value for name, value in given.items() if value is not None}
+    if len(given) != 1:
+        raise RequestError("text_input / input_ids / messages: send exactly one of them (a string, token ids, or "
+                           "a JSON list of chat messages)")
+    ((name, value),) = given.items()
+    if name == "text_input":
+        return _string(value, "text_input", max_input_len), None
+    if name == "messages":
+        return None, _messages(value, max_input_len)
+    ids = np.asarray(value)
     if ids.ndim > 1 and ids.shape[0] != 1:
         raise RequestError(f"input_ids: expected one sequence per request, got shape {list(ids.shape)}")
     if ids.dtype.kind not in "iu":
@@ -96,7 +134,7 @@ def _prompt(get: GetInput, max_input_len: int | None) -> str | list[int]:
     if ids.size > (max_input_len or FALLBACK_MAX_INPUT_LEN):  # before building a list of millions of ints
         raise RequestError(f"input_ids: {ids.size} tokens exceeds max_input_len "
                            f"{max_input_len or FALLBACK_MAX_INPUT_LEN}; shorten it")
-    return [int(t) for t in ids.reshape(-1)]
+    return [int(t) for t in ids.reshape(-1)], None
 
 
 def check_generation_values(max_tokens: int, temperature: float, top_k: int, top_p: float,
@@ -129,7 +167,7 @@ def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | 
     ``max_input_len`` (the engine's, in tokens) bounds the prompt before it is decoded or tokenized; without it
     the bound is FALLBACK_MAX_INPUT_LEN.
     """
-    prompt = _prompt(get, max_input_len)
+    prompt, messages = _prompt(get, max_input_len)  # messages are encoded later, with the model's tokenizer
     max_tokens = _one(get, "max_tokens", "iu", required=True)
     temperature = _one(get, "temperature", "f")
     temperature = 0.0 if temperature is None else float(temperature)
@@ -144,4 +182,4 @@ def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | 
         raise RequestError(f"num_draft_tokens: {k} must be between 0 (target only) and {max_draft_len_limit}, "
                            f"the K the target engine was built for")
     return GenerateArgs(prompt, int(max_tokens), temperature, top_k, top_p,
-                        None if seed is None else int(seed), None if k is None else int(k))
+                        None if seed is None else int(seed), None if k is None else int(k), messages)

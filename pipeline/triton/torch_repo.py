@@ -26,6 +26,7 @@ PIPELINE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the
 INPUTS: list[tuple[str, str, list[int]]] = [
     ("text_input", "STRING", [1]),
     ("input_ids", "INT32", [-1]),
+    ("messages", "STRING", [1]),  # JSON text of [{"role": ..., "content": ...}, ...], through the chat template
     ("max_tokens", "INT32", [1]),
     ("temperature", "FP32", [1]),
     ("top_k", "INT32", [1]),
@@ -33,7 +34,7 @@ INPUTS: list[tuple[str, str, list[int]]] = [
     ("seed", "UINT64", [1]),
     ("num_draft_tokens", "INT32", [1]),
 ]
-REQUIRED_INPUTS = {"max_tokens"}  # text_input XOR input_ids is checked by the model
+REQUIRED_INPUTS = {"max_tokens"}  # one of text_input / input_ids / messages is checked by the model
 # The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.
 ENGINE_INPUTS: list[tuple[str, str, list[int]]] = [("request_key", "STRING", [1]), ("cancel_request", "STRING", [1]),
                                                    ("final_only", "BOOL", [1])]

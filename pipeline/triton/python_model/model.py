@@ -74,6 +74,7 @@ class TritonPythonModel:
             method=params.get("method") or "draft_model",
             ngram=NgramSettings(int(params.get("ngram_min_match") or 1), int(params.get("ngram_max_match") or 4)))
         self.k_limit = self.executor.draft_len_limit or self.executor.max_draft_len
+        self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
         # Responses leave through their own thread: IPC to Triton then overlaps the next step's forwards instead
@@ -118,7 +119,8 @@ class TritonPythonModel:
             return
         try:
             args = self.parse_request(lambda name: _input(request, name), self.k_limit, self.executor.max_input_len)
-            spec_request = self.executor.new_request(args.prompt, **args.executor_kwargs())
+            prompt, turn_end = args.executor_prompt(self.executor.tokenizer, self.model_source)
+            spec_request = self.executor.new_request(prompt, stop_token_ids=turn_end, **args.executor_kwargs())
         except Exception as exc:  # noqa: BLE001 - reported to this client; the model keeps serving others
             sender.send(self._error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
