@@ -9,7 +9,14 @@ The policy picks the K that maximises expected emitted tokens per second for the
     time(K)   = K * draft_forward(rows tokens) + target_forward(rows * (K+1) tokens, padded to the widest row)
 
 with forward times measured on this machine (a short calibration when the engine starts, then every forward the
-engine runs) and each row's acceptance estimated from its own history, shrunk towards the engine-wide rate.
+engine runs) and each row's acceptance estimated from its own recent history.
+
+A row's estimate must let it find out what drafting gives it. A row that stops drafting never measures its
+acceptance again, so a request whose text turns predictable (an answer that starts copying code from its prompt)
+would stay at K=0 for good. So each row's counts decay every step (they describe its recent text, not its whole
+history), and the estimate the policy acts on is optimistic by one standard error: a row with little recent
+evidence (a new one, or one that has not drafted for a while) gets a rate high enough to draft and see, and a row
+that keeps being rejected gets a rate that only a cheap draft (a lookup checked in a memory-bound verify) can pay.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ import torch
 
 from ..bench.analytic import expected_tokens_per_step
 
-PRIOR_WEIGHT = 8.0  # draft tokens' worth of weight on the engine-wide rate in a row's acceptance estimate
+PRIOR_WEIGHT = 2.0  # draft tokens' worth of weight on the engine-wide rate in a row's acceptance estimate
+ROW_DECAY = 0.9  # per step: a row's acceptance counts describe about its last ten steps
+OPTIMISM = 1.0  # standard errors added to a row's estimate, so rows with little recent evidence draft and see
 
 
 class ForwardCost:
@@ -74,20 +83,40 @@ class DraftPolicy:
         self.k_max = k_max
         self.target = ForwardCost()
         self.draft = ForwardCost()
-        self.drafted = 0  # engine-wide totals, the prior for rows with little history
+        self.drafted = 0  # engine-wide totals of judged draft tokens, the prior for rows with little history
         self.accepted = 0
+        self._rows: dict[int, tuple[float, float]] = {}  # request id -> decayed (drafted, accepted)
 
     @property
     def prior_rate(self) -> float:
         return (self.accepted + 0.5 * PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
 
-    def row_rate(self, drafted: int, accepted: int) -> float:
-        rate = (accepted + self.prior_rate * PRIOR_WEIGHT) / (drafted + PRIOR_WEIGHT)
+    def row_rate(self, row: int) -> float:
+        """The per-token acceptance rate the policy plans with for request ``row``: its recent rate (shrunk towards the
+        engine-wide one) plus OPTIMISM standard errors of that estimate."""
+        drafted, accepted = self._rows.get(row, (0.0, 0.0))
+        evidence = drafted + PRIOR_WEIGHT
+        rate = (accepted + self.prior_rate * PRIOR_WEIGHT) / evidence
+        rate += OPTIMISM * (rate * (1 - rate) / evidence) ** 0.5
         return min(max(rate, 0.0), 0.999)
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        self.drafted += drafted
+    def observe(self, row: int, drafted: int, accepted: int) -> None:
+        """One verify's outcome for request ``row`` (drafted 0 on a plain step: its evidence only ages).
+
+        The rate planned with is the chance that one more draft token is accepted given the ones before it were
+        (the alpha of the formula), so the tokens after the first rejection, never judged, do not count: a step
+        judged ``accepted`` tokens and at most one rejection. (accepted / drafted would read 0.5 for alpha 0.85 at
+        K = 8, and the policy would then draft too little.)"""
+        judged = accepted + (1 if accepted < drafted else 0)
+        old_judged, old_accepted = self._rows.get(row, (0.0, 0.0))
+        self._rows[row] = (ROW_DECAY * old_judged + judged, ROW_DECAY * old_accepted + accepted)
+        self.drafted += judged
         self.accepted += accepted
+
+    def keep_only(self, rows: set[int]) -> None:
+        """Forget requests that left the batch (finished or cancelled)."""
+        for row in [r for r in self._rows if r not in rows]:
+            del self._rows[row]
 
     def choose(self, row_rates: Sequence[float], row_limits: Sequence[int],
                uses_model: Sequence[bool] | None = None) -> int:

@@ -111,7 +111,8 @@ class SpeculativeEngine:
             if self._steps % EXPLORE_EVERY == 0:
                 cap = 0  # measure what a plain step costs at this batch now and then, so K competes with real data
             else:
-                rates = [self.policy.row_rate(r.stats.draft_tokens, r.stats.accepted_tokens) for r in rows]
+                self.policy.keep_only({r.id for r in rows})
+                rates = [self.policy.row_rate(r.id) for r in rows]
                 # ngram+draft rows count as model rows: the draft's cost bounds what their step can cost.
                 uses_model = [self.draft is not None and r.method != NGRAM for r in rows]
                 cap = self.policy.choose(rates, [self._proposal_limit(r) for r in rows], uses_model)
@@ -196,7 +197,7 @@ class SpeculativeEngine:
             if self.draft is not None:
                 self.draft.truncate(row, base + accepted)
             if self.policy is not None:
-                self.policy.observe(ks[row], accepted)
+                self.policy.observe(request.id, ks[row], accepted)
             events.append((request, request.advance(tokens, ks[row], accepted, proposer=kinds[row])))
         self._record("target", logits.shape[0] * logits.shape[1], time.perf_counter() - start)
         return events
