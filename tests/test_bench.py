@@ -6,6 +6,7 @@ Token counts are tiny so each run takes seconds; timing values are never compare
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import load_tiny_models, tiny_config_dict, write_config
@@ -24,7 +25,7 @@ def _results(folder):
     return data, data["records"]
 
 
-def test_bench_from_built_engines_writes_consistent_results(built_engines, capsys):
+def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_pair, capsys):
     config, engines = built_engines
     out = engines.parent / "bench-out"
     # The engines were built for K <= 4: a sweep to 6 is clipped with a note rather than failing.
@@ -65,6 +66,17 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, capsy
     (dynamic,) = by_method["dynamic"]
     assert dynamic["k"] == "auto" and 1.0 <= dynamic["mean_accepted_len"] <= 4 + 1
     assert 0 < dynamic["mean_draft_len"] <= 4  # within the engines' K
+    (adaptive,) = by_method["adaptive"]  # the served default: the engine's policy caps K
+    assert adaptive["k"] == "policy" and 0 <= adaptive["mean_draft_len"] <= 4
+    terms = data["cost_terms"]
+    params = sum(p.numel() * p.element_size() for p in load_tiny_models(tiny_pair)[0].parameters())
+    assert terms["target_weight_bytes"] == params and terms["memory_bandwidth_gbs"] > 0
+    assert terms["memory_bound_tok_s"] == pytest.approx(terms["memory_bandwidth_gbs"] * 1e9 / params, rel=1e-3)
+    for record in records:
+        assert record["set"] == record["prompt_set"]
+        assert record["fraction_of_memory_bound"] == pytest.approx(
+            record["tokens_per_s"] / terms["memory_bound_tok_s"], abs=2e-3)
+    assert "memory-bound limit:" in printed.out
     png = out / "results.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -75,7 +87,7 @@ def test_bench_from_model_folders_with_a_short_hf_run(tiny_pair, tmp_path, capsy
     assert main(["bench", str(config), "--engines-dir", str(engines), "--k-max", "1", "--prompt-set", "json,prose",
                  "--max-new-tokens", "4", "--num-prompts", "1", "--repeats", "1"]) == 0
     printed = capsys.readouterr().out
-    assert "no built engines" in printed and "best speculative" in printed
+    assert "no built engines" in printed and re.search(r"best (speculative|ngram) K=\d", printed)
     data, records = _results(engines / "bench-hf" / "bench")
     assert data["loaded_from"].startswith("model folders")
     assert {r["prompt_set"] for r in records} == {"json", "prose"}

@@ -115,6 +115,7 @@ def cmd_bench(args) -> int:
     from ..config import load_config
     from .plot import plot_results
     from .records import format_table
+    from .memory import memory_bound
     from .runner import BenchOptions, git_commit, machine_info, run_bench, timestamp
 
     _check_range("--max-new-tokens", args.max_new_tokens, 2, fix="latency needs at least two tokens")
@@ -144,8 +145,10 @@ def cmd_bench(args) -> int:
                            k_max=args.k_max, repeats=args.repeats, skip_hf=args.skip_hf)
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])  # the code that runs
     records, costs, notes = run_bench(executor, prompt_sets, options)
+    bound = memory_bound(executor.target.model, executor.device) if hasattr(executor, "engine") else None
     for record in records:  # `set` is the name the prompt-file labels use; `prompt_set` stays for older readers
         record.setdefault("set", record["prompt_set"])
+        record["fraction_of_memory_bound"] = round(record["tokens_per_s"] / bound.tok_s, 3) if bound else None
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
@@ -156,7 +159,8 @@ def cmd_bench(args) -> int:
                     "max_new_tokens": args.max_new_tokens, "num_prompts": num_prompts,
                     "k_max": options.k_max, "repeats": args.repeats, "skip_hf": args.skip_hf,
                     "decoding": "greedy, batch 1"},
-        "cost_terms": costs.to_dict(), "notes": notes, "records": records,
+        "cost_terms": {**costs.to_dict(), **(bound.to_dict() if bound else {})}, "notes": notes,
+        "records": records,
     }
     tmp = out_dir / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=2) + "\n")
@@ -168,6 +172,10 @@ def cmd_bench(args) -> int:
     print(f"cost terms: c = {costs.cost_ratio_c:.3f} (draft {costs.draft_ms:.2f} ms / target {costs.target_ms:.2f} "
           f"ms per token); verify cost K=1..{options.k_max}: "
           + " ".join(f"{v:.2f}" for v in costs.verify_cost_ratio))
+    if bound is not None:
+        print(f"memory-bound limit: {bound.tok_s:.1f} tok/s (target weights {bound.weight_bytes / 1e6:.0f} MB read at "
+              f"a measured {bound.bandwidth_gbs:.1f} GB/s); target-only reached "
+              + ", ".join(f"{r['set']} {r['fraction_of_memory_bound']:.2f}" for r in records if r["method"] == "target"))
     for line in summary_lines(records):
         print(line)
     print(f"wrote {out_dir / 'results.json'} and {plot}")
@@ -179,14 +187,18 @@ def summary_lines(records: list[dict]) -> list[str]:
     lines = []
     for name in dict.fromkeys(r["prompt_set"] for r in records):
         rows = [r for r in records if r["prompt_set"] == name and r["speedup_vs_target"] is not None]
-        spec = [r for r in rows if r["method"] == "speculative"]
+        spec = [r for r in rows if r["method"] in ("speculative", "ngram")]
         hf = [r for r in rows if r["method"] == "hf_assisted"]
         if spec:
             best = max(spec, key=lambda r: r["speedup_vs_target"])
-            lines.append(f"{name}: best speculative K={best['k']} {best['speedup_vs_target']:.2f}x (bound "
+            lines.append(f"{name}: best {best['method']} K={best['k']} {best['speedup_vs_target']:.2f}x (bound "
                          f"{best['bound_speedup']:.2f}x, with verify cost {best['bound_speedup_refined']:.2f}x, "
                          f"efficiency {best['efficiency']:.2f}); alpha {best['alpha']:.2f}, "
                          f"{best['mean_accepted_len']:.2f} tokens/step")
+        for r in (r for r in rows if r["method"] == "adaptive"):
+            lines.append(f"{name}: adaptive K {r['speedup_vs_target']:.2f}x target-only"
+                         + (f", {r['speedup_vs_target'] / best['speedup_vs_target']:.2f} of the best fixed K"
+                            if spec else ""))
         if hf:
             best = max(hf, key=lambda r: r["speedup_vs_target"])
             lines.append(f"{name}: best HF assisted K={best['k']} {best['speedup_vs_target']:.2f}x vs our target-only"

@@ -6,8 +6,11 @@ Methods (all greedy, batch 1):
   dynamic      our runtime with max_draft_len="auto" (the executor picks K per step), when the executor has it
   ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
   ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
+  adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy caps K per step from measured costs
+               and each request's recent acceptance (torch runtime), with the executor's method
   hf_lookup    Hugging Face generate(prompt_lookup_num_tokens=K) at the executor's K: the peer of ngram
-(Without a draft model, speculative.method: ngram, only target, ngram, hf_target and hf_lookup run.)
+(Without a draft model, speculative.method: ngram, only target, ngram at K = 1..k_max, adaptive, hf_target and
+hf_lookup run.)
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
   hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
 
@@ -70,8 +73,12 @@ def build_methods(executor, options: BenchOptions, max_new_tokens: int, dynamic:
                                   lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
     lookup_k = min(executor.max_draft_len, options.k_max)
     for proposer in ("ngram", "ngram+draft") if with_draft else ("ngram",):
-        methods.append(Method(proposer, lookup_k, lambda ids, p=proposer: stream_sample(
-            executor, ids, max_new_tokens, lookup_k, method=p)))
+        # Without a draft model the lookup is the method under test: sweep its K as the draft's K is swept.
+        for k in ([lookup_k] if with_draft else range(1, lookup_k + 1)):
+            methods.append(Method(proposer, k, lambda ids, p=proposer, k=k: stream_sample(
+                executor, ids, max_new_tokens, k, method=p)))
+    if hasattr(executor, "engine"):
+        methods.append(Method("adaptive", "policy", adaptive_runner(executor, max_new_tokens)))
     if not options.skip_hf:
         target = executor.target.model
         draft = executor.draft.model if with_draft else None
@@ -84,6 +91,25 @@ def build_methods(executor, options: BenchOptions, max_new_tokens: int, dynamic:
         methods.append(Method("hf_lookup", lookup_k, lambda ids: hf_sample(
             target, None, ids, max_new_tokens, lookup_k, pad, prompt_lookup=True)))
     return methods
+
+
+def adaptive_runner(executor, max_new_tokens: int) -> Callable[[list[int]], Sample]:
+    """Runs a prompt with the engine's adaptive-K policy on, as `serve` does (K not named, so the policy's cap
+    applies); the policy is calibrated once and keeps what it measures across the benchmark's runs."""
+    from ..executor.draft_policy import DraftPolicy
+
+    engine = executor.engine
+    policy = DraftPolicy(executor.max_draft_len)
+    policy.calibrate(engine.target.model, engine.draft.model if engine.draft is not None else None, 1,
+                     engine.device, engine.vocab_size)
+
+    def run(ids: list[int]) -> Sample:
+        before, engine.policy = engine.policy, policy
+        try:
+            return stream_sample(executor, ids, max_new_tokens, None)
+        finally:
+            engine.policy = before
+    return run
 
 
 def fit_prompt(executor, prompt: str, max_new_tokens: int) -> list[int]:
