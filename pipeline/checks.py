@@ -161,7 +161,7 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
         spec = getattr(config, role)
         models[role] = resolve_model(spec, role, config.base_dir, with_weights=with_weights)
         hf_configs[role] = read_hf_config(models[role])
-        if with_weights or models[role].source == "local":  # local weights are at hand: check them in `check` too
+        if with_weights or models[role].source in ("local", "gguf"):  # local weights: check them in `check` too
             validate_weights(models[role])
             nonfinite = weights_nonfinite(models[role])  # a sample of every tensor (see models.SCAN_ROWS)
             if nonfinite:

@@ -67,7 +67,9 @@ def cmd_build(args) -> int:
     config = _load(args)
     if args.dry_run:
         from .backends import get_backend
+        from .checks import with_resolved_defaults
 
+        config = with_resolved_defaults(config)  # the converter calls name the concrete dtype, not "auto"
         backend = get_backend(config.backend)
         layout = Layout.for_config(config, args.engines_dir)
         for role in config.roles:

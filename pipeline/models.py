@@ -22,15 +22,20 @@ PICKLE_WEIGHTS = ["*.bin", "*.pt", "*.pth"]
 class ResolvedModel:
     role: str  # "target" or "draft": names the config field in every error
     spec: ModelSpec
-    path: Path  # folder holding config.json, tokenizer and weights
+    path: Path  # folder holding config.json, tokenizer and weights; a GGUF source's file until dequantized
     source: str  # "local", "hub" or "gguf"
     revision: str | None  # hub commit the files came from; None for local folders
-    gguf_file: Path | None = None  # a GGUF source: the file; ``path`` is then its dequantized folder
-    gguf_sha256: str | None = None
+    gguf_file: Path | None = None  # a GGUF source: the file; ``path`` is its dequantized folder once resolved
+    gguf_sha256: str | None = None  # with weights (set once the file has been hashed and dequantized)
 
     @property
     def field(self) -> str:
         return f"{self.role}.model"
+
+    @property
+    def raw_gguf(self) -> bool:
+        """A GGUF source resolved without weights: config, tokenizer and weights are read from the file itself."""
+        return self.gguf_file is not None and self.path == self.gguf_file
 
     def provenance(self) -> dict:
         """Where the weights came from, as convert manifests record it (a GGUF source with its sha256)."""
@@ -63,13 +68,7 @@ def resolve_model(spec: ModelSpec, role: str, base_dir: Path, with_weights: bool
     if local.is_dir():
         return ResolvedModel(role, spec, local, "local", None)
     if local.is_file() and local.suffix.lower() == ".gguf":
-        from .gguf import dequantized_folder
-
-        try:
-            folder, digest = dequantized_folder(local)
-        except ModelError as exc:
-            raise ModelError(f"{role}.model: {exc}") from None
-        return ResolvedModel(role, spec, folder, "gguf", None, gguf_file=local, gguf_sha256=digest)
+        return _resolve_gguf(spec, role, local, with_weights)
     if local.is_file():
         raise ModelError(f"{role}.model: {local} is a file; point {role}.model at a Hugging Face model folder, a "
                          f"hub id or a .gguf file")
@@ -77,6 +76,21 @@ def resolve_model(spec: ModelSpec, role: str, base_dir: Path, with_weights: bool
         raise ModelError(f"{role}.model: folder {local} does not exist; fix the path (relative paths resolve "
                          f"against the config file's folder) or run the script that creates it")
     return _download(spec, role, with_weights)
+
+
+def _resolve_gguf(spec: ModelSpec, role: str, file: Path, with_weights: bool) -> ResolvedModel:
+    """A .gguf file. With weights it is dequantized once into a cached HF folder (keyed by its sha256) that every
+    later stage reads like any checkpoint; without, only its header is read (`check` stays cheap)."""
+    from . import gguf
+
+    try:
+        if not with_weights:
+            gguf.check_loadable(file)
+            return ResolvedModel(role, spec, file, "gguf", None, gguf_file=file)
+        folder, digest = gguf.dequantized_folder(file)
+    except ModelError as exc:
+        raise ModelError(f"{role}.model: {exc}") from None
+    return ResolvedModel(role, spec, folder, "gguf", None, gguf_file=file, gguf_sha256=digest)
 
 
 def _download(spec: ModelSpec, role: str, with_weights: bool) -> ResolvedModel:
@@ -112,7 +126,18 @@ def _download(spec: ModelSpec, role: str, with_weights: bool) -> ResolvedModel:
     return ResolvedModel(role, spec, path, "hub", path.name)
 
 
+def _gguf_call(model: ResolvedModel, read):
+    try:
+        return read(model.gguf_file)
+    except ModelError as exc:
+        raise ModelError(f"{model.field}: {exc}") from None
+
+
 def read_hf_config(model: ResolvedModel) -> dict:
+    if model.raw_gguf:
+        from .gguf import read_config
+
+        return _gguf_call(model, read_config)
     cfg = model.path / "config.json"
     if not cfg.is_file():
         raise ModelError(f"{model.field}: {model.path} has no config.json; point it at a Hugging Face model "
@@ -134,6 +159,8 @@ def read_hf_config(model: ResolvedModel) -> dict:
 
 def weight_files(model: ResolvedModel) -> list[Path]:
     """The weight files that would be loaded; refuses pickle files unless the config allows them."""
+    if model.raw_gguf:
+        return [model.gguf_file]
     safe = sorted(model.path.glob("*.safetensors"))
     if safe:
         return safe
@@ -150,6 +177,11 @@ def weight_files(model: ResolvedModel) -> list[Path]:
 def validate_weights(model: ResolvedModel) -> None:
     """Open every safetensors header: catches truncated or garbled files in milliseconds, before any build."""
     from safetensors import safe_open
+
+    if model.raw_gguf:
+        from .gguf import check_loadable
+
+        return _gguf_call(model, check_loadable)
 
     for path in weight_files(model):
         if path.suffix != ".safetensors":
@@ -175,6 +207,10 @@ def weights_nonfinite(model: ResolvedModel) -> str | None:
     import torch
     from safetensors import safe_open
 
+    if model.raw_gguf:  # rows of every tensor, dequantized by gguf
+        from .gguf import nonfinite_sample
+
+        return _gguf_call(model, nonfinite_sample)
     for path in weight_files(model):
         if path.suffix != ".safetensors":
             continue
@@ -205,6 +241,10 @@ def load_tokenizer(model: ResolvedModel):
     from transformers import AutoTokenizer
 
     warn_remote_code(model)
+    if model.raw_gguf:
+        from .gguf import load_tokenizer as gguf_tokenizer
+
+        return _gguf_call(model, gguf_tokenizer)
     try:
         return AutoTokenizer.from_pretrained(model.path, trust_remote_code=model.spec.trust_remote_code)
     except Exception as exc:  # transformers raises many types for a broken tokenizer; all mean the same to a user
@@ -233,6 +273,10 @@ def load_causal_lm(model: ResolvedModel, dtype: str, device: str = "cpu", progre
         hf_logging.enable_progress_bar()
     else:
         hf_logging.disable_progress_bar()
+    if model.raw_gguf:
+        from .gguf import load_gguf
+
+        return _gguf_call(model, lambda file: load_gguf(file, torch_dtype(dtype))[0]).to(device).eval()
     files = weight_files(model)
     warn_remote_code(model)
     use_safetensors = files[0].suffix == ".safetensors"

@@ -43,7 +43,9 @@ def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool 
                  verify: bool = False) -> StageResult:
     model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=True)
     weight_files(model)  # refuses pickle-only folders before anything is hashed or loaded
-    inputs = {"model_files": content_hashes(model.path), "revision": model.revision}
+    # A GGUF source is its file: the dequantized folder is derived from it (and cached under its hash).
+    files = {model.gguf_file.name: model.gguf_sha256} if model.gguf_file else content_hashes(model.path)
+    inputs = {"model_files": files, "revision": model.revision}
     backend = get_backend(config.backend)
     role_cfg = _role_config(config, role)
     role_cfg.pop("speculative")  # a conversion does not depend on K

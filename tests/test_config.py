@@ -25,7 +25,8 @@ def test_every_shipped_config_loads(path):
     assert config.name == path.stem  # engines/<name>/ is found from the file name
     assert config.serve.bind_address == "127.0.0.1"  # safe default kept in every shipped config
     assert config.speculative.max_draft_len >= 1
-    assert config.target.trust_remote_code is False and config.draft.trust_remote_code is False
+    assert config.target.trust_remote_code is False
+    assert config.draft is None or config.draft.trust_remote_code is False  # ngram configs have no draft
     if config.backend == "trtllm":
         assert config.build.parallel.world_size == len(config.runtime.target_device_ids)
 
@@ -33,12 +34,24 @@ def test_every_shipped_config_loads(path):
 def test_shipped_configs_cover_the_required_pairs():
     names = {load_config(p).name for p in CONFIGS}
     assert "tiny" in names
-    models = {(load_config(p).target.model, load_config(p).draft.model) for p in CONFIGS}
+    models = {(c.target.model, c.draft.model if c.draft else None) for c in map(load_config, CONFIGS)}
     assert ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.2-1B-Instruct") in models
     assert ("meta-llama/Llama-3.3-70B-Instruct", "meta-llama/Llama-3.2-1B-Instruct") in models
     assert ("Qwen/Qwen2.5-7B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct") in models
     tp4 = [load_config(p) for p in CONFIGS if "70b" in p.name.lower()]
     assert tp4 and tp4[0].build.parallel.tp == 4
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem.startswith("smollm2-135m")], ids=lambda p: p.name)
+def test_real_model_configs_make_their_models_first(path):
+    """`make build-engines CONFIG=...` runs `make real-model` first (dry run, every rule taken as out of date)."""
+    import subprocess
+
+    repo = path.parents[1]
+    plan = subprocess.run(["make", "-n", "-B", "build-engines", f"CONFIG=configs/{path.name}"], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    made = next(i for i, line in enumerate(plan) if "scripts/make_real_model.py" in line)
+    assert made < next(i for i, line in enumerate(plan) if "-m pipeline build" in line)
 
 
 def test_defaults():

@@ -5,13 +5,14 @@ drafting, and check/build/run work from the shipped config with a chat prompt.""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
 import torch
 
 from pipeline.chat import encode_chat
+from pipeline.config import load_config
 from pipeline.executor import SpeculativeExecutor
+from pipeline.executor.proposers import NgramSettings
 
 from conftest import PY, REPO
 
@@ -19,8 +20,11 @@ CHATS = [
     [{"role": "user", "content": "Add type hints to this function:\n\ndef scale(values, factor):\n"
                                  "    return [v * factor for v in values]\n"}],
     [{"role": "user", "content": "Name three rivers in Europe and one city on each."}],
+    [{"role": "system", "content": "You answer in one short paragraph."},
+     {"role": "user", "content": "Why is the sky blue?"}],
 ]
 TOKENS = 48
+SHIPPED = {"ngram": "smollm2-135m-ngram.yaml", "draft_model": "smollm2-135m.yaml"}
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +39,11 @@ def chat_ids(real_model_dir):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(real_model_dir)
-    return [encode_chat(tokenizer, chat) for chat in CHATS]
+    ids = [encode_chat(tokenizer, chat) for chat in CHATS]
+    for chat, found in zip(CHATS, ids):  # plain messages: exactly what the tokenizer's own template renders
+        expected = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        assert found == list(expected["input_ids"])
+    return ids
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +81,15 @@ def test_engine_logits_match_hf(real_model_dir, target, chat_ids):
     assert (got - expected).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("method,k", [("target-only", 0), ("ngram", 4), ("draft_model", 4)])
-def test_greedy_equals_hf_generate(real_model_dir, real_draft_dir, chat_ids, hf_greedy, method, k):
+@pytest.mark.parametrize("method", ["target-only", "ngram", "draft_model"])
+def test_greedy_equals_hf_generate(real_model_dir, real_draft_dir, chat_ids, hf_greedy, method):
+    """At the shipped configs' K and n-gram settings; target-only is max_draft_len=0 on the same runtime."""
+    spec = load_config(REPO / "configs" / SHIPPED.get(method, SHIPPED["ngram"])).speculative
+    k = 0 if method == "target-only" else spec.max_draft_len
     draft = real_draft_dir if method == "draft_model" else None
-    ex = SpeculativeExecutor.from_pretrained(real_model_dir, draft, max_draft_len=max(k, 1),
-                                             method="ngram" if draft is None else "draft_model")
+    ex = SpeculativeExecutor.from_pretrained(real_model_dir, draft, max_draft_len=spec.max_draft_len,
+                                             method=spec.method, acceptance=spec.acceptance,
+                                             ngram=NgramSettings(spec.ngram.min_match, spec.ngram.max_match))
     results = ex.generate(chat_ids, TOKENS, temperature=0.0, max_draft_len=k)
     eos = set(ex.eos_token_ids)
     for result, expected in zip(results, hf_greedy):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from ..config import PipelineConfig
 from ..errors import CompatibilityError, EngineError
+from ..gguf import dequantized_folder_label
 from ..models import ResolvedModel, load_tokenizer, read_hf_config
 from .trtllm_api import (PINNED_VERSION, TOKENIZER_DIR, build_argv, convert_calls, format_argv, import_tensorrt_llm,
                          needs_generation_logits, require_cuda_gpu, require_trtllm_build, role_parallel)
@@ -41,8 +42,13 @@ def _converter_label(config: PipelineConfig, role: str) -> str:
 def convert_plan(config: PipelineConfig, role: str, out_dir: Path) -> list[str]:
     """The converter calls `convert` will make, one line each (Python, not shell: there is no converter CLI)."""
     label = _converter_label(config, role)
-    lines = [f"# convert {role}: {getattr(config, role).model} -> {out_dir} (TensorRT-LLM {PINNED_VERSION})"]
-    lines += [call.describe(getattr(config, role).model, out_dir, label) for call in convert_calls(config, role)]
+    source = getattr(config, role).model
+    lines = [f"# convert {role}: {source} -> {out_dir} (TensorRT-LLM {PINNED_VERSION})"]
+    if source.lower().endswith(".gguf"):  # the converters read HF folders: convert hands them the dequantized one
+        source = dequantized_folder_label(Path(source))
+        lines.append(f"# {getattr(config, role).model} is dequantized first (transformers' GGUF loader, float32, "
+                     f"once) into {source}")
+    lines += [call.describe(source, out_dir, label) for call in convert_calls(config, role)]
     return lines
 
 
