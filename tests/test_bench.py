@@ -76,7 +76,8 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
         assert record["set"] == record["prompt_set"]
         assert record["fraction_of_memory_bound"] == pytest.approx(
             record["tokens_per_s"] / terms["memory_bound_tok_s"], abs=2e-3)
-    assert "memory-bound limit:" in printed.out
+    assert "memory-bound limit:" in printed.out and "of mem bound" in printed.out  # the table's column
+    assert len(terms["verify_cost_ratio"]) == 4 and "verify cost K=1..4:" in printed.out  # one per K, printed
     png = out / "results.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -141,9 +142,33 @@ def test_bench_runs_on_the_trtllm_executor_over_a_fake_engine(tiny_pair):
     notes_seen = []
     options = BenchOptions(prompt_sets=["code"], max_new_tokens=4, num_prompts=1, k_max=2, repeats=1,
                            cost_repeats=2)
-    records, costs, notes = run_bench(ex, {"code": ["def main(x, y):\n    return x + y\n"]}, options,
+    # Set names are labels from a --prompts file: any name, carried as `set` (and `prompt_set`) by every record.
+    records, costs, notes = run_bench(ex, {"renames": ["def main(x, y):\n    return x + y\n"]}, options,
                                       note=notes_seen.append)
     assert "hf_skipped" in notes and any("Hugging Face baselines skipped" in n for n in notes_seen)
+    assert {(r["set"], r["prompt_set"]) for r in records} == {("renames", "renames")}
     methods = {(r["method"], r["k"]) for r in records}
     assert {("target", 0), ("speculative", 1), ("speculative", 2), ("ngram", 2), ("ngram+draft", 2)} <= methods
     assert costs.target_ms > 0 and costs.draft_ms > 0 and len(costs.verify_ms) == 2
+
+
+def test_memory_bound_counts_tied_weights_once_and_divides_bandwidth_by_them():
+    import torch
+
+    from pipeline.bench.memory import MemoryBound, read_bandwidth, weight_bytes
+    from pipeline.bench.plot import memory_bound_note
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(10, 4)
+    model.head = torch.nn.Linear(4, 10, bias=False)
+    model.head.weight = model.embed.weight  # tied: one tensor, read once per step
+    model.norm = torch.nn.LayerNorm(4).to(torch.float16)
+    assert weight_bytes(model) == 10 * 4 * 4 + 2 * 4 * 2
+    assert read_bandwidth(probe_bytes=8 << 20, repeats=1) > 0
+    bound = MemoryBound(bandwidth_gbs=20.0, weight_bytes=500_000_000, tok_s=40.0)
+    assert bound.to_dict() == {"memory_bandwidth_gbs": 20.0, "target_weight_bytes": 500_000_000,
+                               "memory_bound_tok_s": 40.0}
+    records = [{"method": "target", "prompt_set": "code", "tokens_per_s": 10.0, "fraction_of_memory_bound": 0.25},
+               {"method": "ngram", "prompt_set": "code", "tokens_per_s": 20.0, "fraction_of_memory_bound": 0.5}]
+    assert memory_bound_note(records) == "\nmemory-bound limit 40 tok/s; target only reached code 0.25 of it"
+    assert memory_bound_note([{**records[0], "fraction_of_memory_bound": None}]) == ""

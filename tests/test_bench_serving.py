@@ -109,6 +109,8 @@ def test_ratios_and_targets_use_the_same_path_and_concurrency():
     assert "5.60x one-at-a-time tokens/s (target >= 5x: met)" in lines[0] and "(lower)" in lines[0]
     # 560 / 600 = 0.93 < 0.95 at C=32, while C=1 is 1.40 >= 1.3.
     assert ">= 1.3x at C<=4: met; >= 0.95x everywhere: NOT met" in lines[1]
+    fixed = [_record("speculative_fixed", 1, 112), _record("speculative_fixed", 32, 700)]
+    assert targets_met(records + fixed)[2] == "triton: adaptive K / fixed K tokens/s C=1 1.25x, C=32 0.80x"
 
 
 def test_matrix_interleaves_rounds_and_keeps_each_cells_best(monkeypatch):

@@ -29,7 +29,9 @@ class MemoryBound:
 
 
 def weight_bytes(model) -> int:
-    """Bytes of a model's parameters; parameters() yields a tied embedding once."""
+    """Bytes of a model's parameters as stored (their dtype on their device); parameters() yields a tied embedding
+    once. An untied input embedding is counted too although a step gathers only its rows, so for such models the
+    limit is a little low (conservative)."""
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 

@@ -1,9 +1,10 @@
 """Turn timed samples into benchmark records (one per method and K) and print them as a table.
 
 Record fields (results.json):
-  method               target | speculative | dynamic | ngram | ngram+draft | hf_target | hf_assisted | hf_lookup
-  k                    draft tokens per step (0 = no draft; "auto" for dynamic K)
-  prompt_set           which built-in prompt set
+  method               target | speculative | dynamic | ngram | ngram+draft | adaptive | hf_target | hf_assisted |
+                       hf_lookup
+  k                    draft tokens per step (0 = no draft; "auto" for dynamic K, "policy" for adaptive)
+  set, prompt_set      the prompt set: a built-in one or a `set` label of a --prompts file (the same value)
   tokens_per_s         median over repeats of (tokens emitted / wall seconds) over all prompts
   speedup_vs_target    tokens_per_s / tokens_per_s of target-only decoding on our runtime (same prompts)
   acceptance_rate      accepted / drafted draft tokens (GenerationStats.acceptance_rate)
@@ -17,6 +18,8 @@ Record fields (results.json):
   predicted_speedup    measured tokens/step / (K c + verify cost): the bound with acceptance as measured
   efficiency           speedup_vs_target / bound_speedup (and efficiency_refined against the refined bound)
   itl_ms_p50/p90, ttft_ms   latency, as defined in measure.py
+  fraction_of_memory_bound  tokens_per_s / the memory-bound limit of one-token steps (memory.py); added by the
+                       bench command on the torch runtime, null elsewhere
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
         refined = speedup_bound(alpha, k_model, c, verify)
     predicted = (tokens / len(steps)) / step_cost(k_mean, c, verify) if steps else None
     return {
-        "method": method, "k": k, "prompt_set": prompt_set,
+        "method": method, "k": k, "set": prompt_set, "prompt_set": prompt_set,
         "tokens_per_s": _round(statistics.median(throughputs), 2),
         "speedup_vs_target": None,  # filled by finish_records once target-only is known
         "acceptance_rate": _round(accepted / drafted if drafted else 0.0),
@@ -103,7 +106,7 @@ _COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", 
             ("verify_cost_ratio", "verify", "{:.2f}"), ("bound_speedup", "bound", "{:.2f}x"),
             ("bound_speedup_refined", "bound+v", "{:.2f}x"), ("efficiency", "eff", "{:.2f}"),
             ("itl_ms_p50", "itl p50 ms", "{:.2f}"), ("itl_ms_p90", "itl p90 ms", "{:.2f}"),
-            ("ttft_ms", "ttft ms", "{:.1f}")]
+            ("ttft_ms", "ttft ms", "{:.1f}"), ("fraction_of_memory_bound", "of mem bound", "{:.2f}")]
 
 
 def format_table(records: list[dict], markdown: bool = False) -> str:

@@ -353,6 +353,12 @@ def targets_met(records: list[dict]) -> list[str]:
             lines.append(f"{path}: speculative / target_only tokens/s " + ", ".join(f"C={c} {x:.2f}x" for c, x in ratios)
                          + f"; >= 1.3x at C<=4: {'met' if low and all(x >= 1.3 for _, x in low) else 'NOT met'}"
                          + f"; >= 0.95x everywhere: {'met' if all(x >= 0.95 for _, x in ratios) else 'NOT met'}")
+        # The served default (K not named: the adaptive policy) against naming the config's K, per concurrency.
+        versus = [(c, index[(path, "speculative", c)]["tokens_per_s"] /
+                   index[(path, "speculative_fixed", c)]["tokens_per_s"])
+                  for c in concurrencies if (path, "speculative", c) in index and (path, "speculative_fixed", c) in index]
+        if versus:
+            lines.append(f"{path}: adaptive K / fixed K tokens/s " + ", ".join(f"C={c} {x:.2f}x" for c, x in versus))
     return lines
 
 

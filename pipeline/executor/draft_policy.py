@@ -8,72 +8,140 @@ The policy picks the K that maximises expected emitted tokens per second for the
     tokens(K) = sum over rows of (1 - a_r^(K+1)) / (1 - a_r)          (Leviathan et al., i.i.d. acceptance a_r)
     time(K)   = K * draft_forward(rows tokens) + target_forward(rows * (K+1) tokens, padded to the widest row)
 
-with forward times measured on this machine (a short calibration when the engine starts, then every forward the
-engine runs) and each row's acceptance estimated from its own recent history.
+with forward times measured on this machine (ForwardCost: bare forwards timed when the engine starts, at every
+verify width batch 1 can use, then every phase the engine runs) and each row's acceptance estimated from its own
+recent history.
 
-A row's estimate must let it find out what drafting gives it. A row that stops drafting never measures its
-acceptance again, so a request whose text turns predictable (an answer that starts copying code from its prompt)
-would stay at K=0 for good. So each row's counts decay every step (they describe its recent text, not its whole
-history), and the estimate the policy acts on is optimistic by one standard error: a row with little recent
-evidence (a new one, or one that has not drafted for a while) gets a rate high enough to draft and see, and a row
-that keeps being rejected gets a rate that only a cheap draft (a lookup checked in a memory-bound verify) can pay.
+A row must be able to find out what drafting gives it. A row that stops drafting never measures its acceptance
+again, so a request whose text turns predictable (an answer that starts copying code from its prompt) would stay
+at K=0 for good; measured on SmolLM2-135M with n-gram lookups, the policy that planned with a row's whole history
+drafted 0-14 tokens in 64 steps of a code edit where K=6 drafted 80 and ran 1.7x faster. So:
+
+  exploit  a row's rate is what its recent drafting steps showed: counts that decay by ROW_DECAY per drafting step,
+           seeded with PRIOR_WEIGHT tokens at the engine-wide rate, which fade as the row's own evidence comes in
+           (a prior that never faded kept prose rows drafting in a server whose other requests were code);
+  probe    a row that has not drafted for ``patience`` steps (a new row at once) is planned at PROBE_RATE or its
+           own rate if higher: it drafts wherever a text accepted that often would pay. A probe the target rejects
+           outright doubles the wait plus a step (up to MAX_PATIENCE); an accepted token, or drafting on its own
+           rate, resets it. Prose pays a few percent for probes that fail; code is found within a few steps.
+
+A lookup that finds a match is free to propose, so for n-gram rows the only question is whether the wider verify
+pays, and the verify's cost is what this engine measured at that width. The estimate is per row, not per
+proposer: a request has one method, and an ``ngram+draft`` row pools what its two proposers drafted (which of them
+drafts a step is decided per proposer, in proposers.py).
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..bench.analytic import expected_tokens_per_step
 
-PRIOR_WEIGHT = 2.0  # draft tokens' worth of weight on the engine-wide rate in a row's acceptance estimate
-ROW_DECAY = 0.9  # per step: a row's acceptance counts describe about its last ten steps
-OPTIMISM = 1.0  # standard errors added to a row's estimate, so rows with little recent evidence draft and see
+PRIOR_WEIGHT = 2.0  # judged tokens at the engine-wide rate that a new row's counts start with
+ROW_DECAY = 0.9  # per drafting step: a row's acceptance counts describe about its last ten drafting steps
+PROBE_RATE = 0.4  # the rate a row due for a probe is planned with: it drafts where such a text would pay
+PATIENCE_GROWTH = 2.0  # a failed probe makes the next one wait this many times longer (plus a step)
+MAX_PATIENCE = 16  # the longest a row that stopped drafting waits before it probes again (steps)
+# One step in this many runs without drafting (rows that named their K, and seeded sampling rows, still draft): a
+# batch that always drafts would otherwise never re-measure what a plain step costs, and K competes with that.
+PLAIN_EVERY = 64
 
 
 class ForwardCost:
     """Seconds one step phase takes as a function of the tokens it processes (all rows together).
 
-    Calibration seeds each token count with the minimum of a few plain forwards; the engine's own phases (the
-    forward plus the sampling and bookkeeping around it, which a small model on a CPU is dominated by) then move
-    it by an exponential moving average, so the model follows what a step really costs on this machine.
+    Two sources, kept apart: calibration times bare forwards (the minimum of a few) at the token counts the engine
+    will use, and the engine then reports each phase it runs (the forward plus the sampling, accept rule and
+    bookkeeping around it, which a small model on a CPU is dominated by). A token count the engine has run costs the
+    lower median of its recent measurements together with the calibrated estimate, so one slow step (another
+    process's burst, a page fault) does not price a width out for good and a lasting change wins after a few steps;
+    a count it has not run costs its bare forward plus the engine's overhead, the lower median of its recent
+    measured-minus-bare gaps, so widths the engine has not tried are neither flattered by a bare forward nor guessed.
     """
 
-    SMOOTHING = 0.2  # weight of the newest measurement
+    WINDOW = 5  # recent measurements kept per token count
 
     def __init__(self):
-        self.points: dict[int, float] = {}
+        self.calibrated: dict[int, float] = {}  # tokens -> seconds of a bare forward
+        self.measured: dict[int, deque[float]] = {}  # tokens -> the engine's recent phase times
+        self._gaps: deque[float] = deque(maxlen=2 * self.WINDOW - 1)  # measured minus bare, any token count
+        self._points: dict[int, float] | None = None
 
     def record(self, tokens: int, seconds: float, measured: bool = False) -> None:
+        """A bare forward's time (calibration), or with ``measured`` one the engine's phase took."""
         if tokens <= 0 or seconds <= 0:
             return
-        old = self.points.get(tokens)
-        if old is None:
-            self.points[tokens] = seconds
-        elif measured:
-            self.points[tokens] = (1 - self.SMOOTHING) * old + self.SMOOTHING * seconds
-        else:
-            self.points[tokens] = min(seconds, old)
+        self._points = None
+        if not measured:
+            old = self.calibrated.get(tokens)
+            self.calibrated[tokens] = seconds if old is None else min(seconds, old)
+            return
+        if self.calibrated:
+            self._gaps.append(seconds - _interpolate(self.calibrated, tokens))
+        self.measured.setdefault(tokens, deque(maxlen=self.WINDOW)).append(seconds)
+
+    @property
+    def overhead(self) -> float:
+        """Seconds the engine's phase adds to a bare forward, as recently measured (0 until it ran)."""
+        return _lower_median(self._gaps) if self._gaps else 0.0
+
+    @property
+    def points(self) -> dict[int, float]:
+        """Seconds per token count as the policy plans with them."""
+        if self._points is None:
+            overhead = self.overhead
+            points = {tokens: seconds + overhead for tokens, seconds in self.calibrated.items()}
+            for tokens, recent in self.measured.items():
+                prior = [_interpolate(self.calibrated, tokens) + overhead] if self.calibrated else []
+                points[tokens] = _lower_median(prior + list(recent))
+            self._points = points
+        return self._points
 
     def __call__(self, tokens: int) -> float:
-        if not self.points:
+        points = self.points
+        if not points:
             return float(tokens)  # uncalibrated: proportional to work
-        xs = sorted(self.points)
-        if tokens <= xs[0]:
-            return self.points[xs[0]]
-        if tokens >= xs[-1]:
-            if len(xs) == 1:
-                return self.points[xs[0]] * tokens / xs[0]
-            x0, x1 = xs[-2], xs[-1]  # extrapolate the last segment's slope
-            slope = max((self.points[x1] - self.points[x0]) / (x1 - x0), 0.0)
-            return self.points[x1] + slope * (tokens - x1)
-        i = bisect.bisect_left(xs, tokens)
-        x0, x1 = xs[i - 1], xs[i]
-        w = (tokens - x0) / (x1 - x0)
-        return self.points[x0] * (1 - w) + self.points[x1] * w
+        return max(_interpolate(points, tokens), 1e-9)
+
+
+def _lower_median(values) -> float:
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _interpolate(points: dict[int, float], tokens: int) -> float:
+    """Piecewise linear through ``points``; flat below the first, the last segment's slope beyond the last."""
+    xs = sorted(points)
+    if tokens <= xs[0]:
+        return points[xs[0]]
+    if tokens >= xs[-1]:
+        if len(xs) == 1:
+            return points[xs[0]] * tokens / xs[0]
+        x0, x1 = xs[-2], xs[-1]
+        slope = max((points[x1] - points[x0]) / (x1 - x0), 0.0)
+        return points[x1] + slope * (tokens - x1)
+    i = bisect.bisect_left(xs, tokens)
+    x0, x1 = xs[i - 1], xs[i]
+    w = (tokens - x0) / (x1 - x0)
+    return points[x0] * (1 - w) + points[x1] * w
+
+
+@dataclass
+class _Row:
+    """What the policy knows about one request. Its counts start as PRIOR_WEIGHT tokens at the engine-wide rate and
+    decay with the rest, so the prior fades as the row's own evidence comes in instead of outweighing it for good."""
+
+    judged: float  # draft tokens the target judged, recent ones weighing most (ROW_DECAY per drafting step)
+    accepted: float  # of those, accepted
+    idle: int = 1  # steps since it last drafted (a new row starts due for a probe)
+    patience: int = 1  # idle steps before its next probe
+    probing: bool = False  # this step's plan gave it the probe rate
 
 
 class DraftPolicy:
@@ -85,31 +153,45 @@ class DraftPolicy:
         self.draft = ForwardCost()
         self.drafted = 0  # engine-wide totals of judged draft tokens, the prior for rows with little history
         self.accepted = 0
-        self._rows: dict[int, tuple[float, float]] = {}  # request id -> decayed (drafted, accepted)
+        self._rows: dict[int, _Row] = {}  # request id -> its state
+        self._steps = 0
 
     @property
     def prior_rate(self) -> float:
         return (self.accepted + 0.5 * PRIOR_WEIGHT) / (self.drafted + PRIOR_WEIGHT)
 
+    def _row(self, row: int) -> _Row:
+        if row not in self._rows:
+            self._rows[row] = _Row(judged=PRIOR_WEIGHT, accepted=self.prior_rate * PRIOR_WEIGHT)
+        return self._rows[row]
+
     def row_rate(self, row: int) -> float:
-        """The per-token acceptance rate the policy plans with for request ``row``: its recent rate (shrunk towards the
-        engine-wide one) plus OPTIMISM standard errors of that estimate."""
-        drafted, accepted = self._rows.get(row, (0.0, 0.0))
-        evidence = drafted + PRIOR_WEIGHT
-        rate = (accepted + self.prior_rate * PRIOR_WEIGHT) / evidence
-        rate += OPTIMISM * (rate * (1 - rate) / evidence) ** 0.5
-        return min(max(rate, 0.0), 0.999)
+        """The per-token acceptance rate request ``row`` has shown in its recent drafting steps, shrunk towards the
+        engine-wide rate while it has little evidence (what the policy exploits; probes are planned in ``plan``)."""
+        state = self._rows.get(row)
+        if state is None:
+            return min(self.prior_rate, 0.999)
+        return min(state.accepted / state.judged, 0.999)
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
-        """One verify's outcome for request ``row`` (drafted 0 on a plain step: its evidence only ages).
+        """One verify's outcome for request ``row`` (drafted 0: a plain step, which only counts as idle).
 
         The rate planned with is the chance that one more draft token is accepted given the ones before it were
         (the alpha of the formula), so the tokens after the first rejection, never judged, do not count: a step
         judged ``accepted`` tokens and at most one rejection. (accepted / drafted would read 0.5 for alpha 0.85 at
         K = 8, and the policy would then draft too little.)"""
+        state = self._row(row)
+        if drafted <= 0:
+            state.idle += 1
+            return
         judged = accepted + (1 if accepted < drafted else 0)
-        old_judged, old_accepted = self._rows.get(row, (0.0, 0.0))
-        self._rows[row] = (ROW_DECAY * old_judged + judged, ROW_DECAY * old_accepted + accepted)
+        state.judged = ROW_DECAY * state.judged + judged
+        state.accepted = ROW_DECAY * state.accepted + accepted
+        # A probe the target rejected outright makes the next one wait longer; a probe with an accepted token, or
+        # drafting on the row's own estimate, resets the wait.
+        failed = state.probing and accepted == 0
+        state.patience = min(int(PATIENCE_GROWTH * state.patience) + 1, MAX_PATIENCE) if failed else 1
+        state.idle = 0
         self.drafted += judged
         self.accepted += accepted
 
@@ -117,6 +199,24 @@ class DraftPolicy:
         """Forget requests that left the batch (finished or cancelled)."""
         for row in [r for r in self._rows if r not in rows]:
             del self._rows[row]
+
+    def plan(self, rows: Sequence[int], row_limits: Sequence[int], uses_model: Sequence[bool] | None = None) -> int:
+        """The K cap for one engine step over requests ``rows`` (their ids), each able to propose at most
+        ``row_limits[r]`` tokens: ``choose`` with each row's rate, a row due for a probe planned at PROBE_RATE or
+        more; 0 on every PLAIN_EVERY-th step."""
+        self.keep_only(set(rows))
+        self._steps += 1
+        if self._steps % PLAIN_EVERY == 0:
+            for row in rows:
+                self._row(row).probing = False
+            return 0
+        rates = []
+        for row in rows:
+            state = self._row(row)
+            state.probing = state.idle >= state.patience
+            rate = self.row_rate(row)
+            rates.append(max(rate, PROBE_RATE) if state.probing else rate)
+        return self.choose(rates, row_limits, uses_model)
 
     def choose(self, row_rates: Sequence[float], row_limits: Sequence[int],
                uses_model: Sequence[bool] | None = None) -> int:
@@ -145,15 +245,21 @@ class DraftPolicy:
 
     @torch.inference_mode()
     def calibrate(self, target_model, draft_model, max_rows: int, device, vocab: int, repeats: int = 3) -> None:
-        """Time plain forwards (no cache, a short context) at the token counts the engine will use."""
-        widths = sorted({1, self.k_max + 1})
+        """Time bare forwards (no cache, a short context) at the token counts the engine will use: at batch 1 every
+        verify width 1..k_max+1 (where the verify cost curve decides K), at larger batches plain, middle and widest."""
         rows = sorted({1, 2, 4, 8, 16, 32, max_rows} & set(range(1, max_rows + 1)))
         generator = torch.Generator().manual_seed(0)
-        for model, cost, model_widths in ((target_model, self.target, widths), (draft_model, self.draft, [1])):
+        for model, cost in ((target_model, self.target), (draft_model, self.draft)):
             if model is None:
                 continue
             for b in rows:
-                for t in model_widths:
+                if model is draft_model:
+                    widths = [1]  # a draft position is one token per row
+                elif b == 1:
+                    widths = list(range(1, self.k_max + 2))
+                else:
+                    widths = sorted({1, self.k_max // 2 + 1, self.k_max + 1})
+                for t in widths:
                     ids = torch.randint(0, vocab, (b, t), generator=generator).to(device)
                     model(input_ids=ids)  # warm-up (allocator, kernels)
                     for _ in range(repeats):

@@ -26,10 +26,6 @@ from .request import SpecRequest
 from .results import StreamEvent
 from .scheduler import Scheduler
 
-# With adaptive K, one step in this many runs without drafting (rows that named their K, and seeded sampling rows,
-# still draft): plain steps are otherwise never measured once drafting wins, and stale costs would keep it winning.
-EXPLORE_EVERY = 16
-
 
 class SpeculativeEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
@@ -47,7 +43,6 @@ class SpeculativeEngine:
         self.scheduler = Scheduler(max_batch)
         self.ngram = ngram or NgramSettings()
         self._seconds = {"draft": 0.0, "target": 0.0}  # running means of one forward's time (cost ratio c)
-        self._steps = 0
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
         self.policy = DraftPolicy(k_max) if adaptive_k and k_max > 0 else None
         if self.policy is not None:
@@ -107,15 +102,9 @@ class SpeculativeEngine:
     def _draft_lens(self, rows: list[SpecRequest]) -> list[int]:
         cap = None
         if self.policy is not None:
-            self._steps += 1
-            if self._steps % EXPLORE_EVERY == 0:
-                cap = 0  # measure what a plain step costs at this batch now and then, so K competes with real data
-            else:
-                self.policy.keep_only({r.id for r in rows})
-                rates = [self.policy.row_rate(r.id) for r in rows]
-                # ngram+draft rows count as model rows: the draft's cost bounds what their step can cost.
-                uses_model = [self.draft is not None and r.method != NGRAM for r in rows]
-                cap = self.policy.choose(rates, [self._proposal_limit(r) for r in rows], uses_model)
+            # ngram+draft rows count as model rows: the draft's cost bounds what their step can cost.
+            uses_model = [self.draft is not None and r.method != NGRAM for r in rows]
+            cap = self.policy.plan([r.id for r in rows], [self._proposal_limit(r) for r in rows], uses_model)
         return [r.draft_len(cap) for r in rows]
 
     def _proposal_limit(self, request: SpecRequest) -> int:
