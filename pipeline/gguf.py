@@ -8,7 +8,6 @@ float32 checkpoint that every later stage (and TensorRT-LLM's converters) reads 
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .artifacts import sha256_file  # noqa: F401 (scripts and tests hash GGUF files through this module)
 from .errors import ModelError
 
 # Values read per tensor by nonfinite_sample: SAMPLE_ROWS rows, evenly spaced (quantized rows dequantize whole).
@@ -29,14 +29,6 @@ def loadable_types() -> tuple[str, ...]:
     from gguf.quants import _type_traits  # the registry of gguf's dequantizers
 
     return tuple(sorted({"F32", "F16", *(t.name for t in _type_traits)}))
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _first_line(exc: Exception) -> str:
