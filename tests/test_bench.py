@@ -11,7 +11,7 @@ import re
 import pytest
 from conftest import load_tiny_models, tiny_config_dict, write_config
 
-from pipeline.bench.analytic import speedup_bound
+from pipeline.speculative.analytic import speedup_bound
 from pipeline.cli import main
 
 FIELDS = {"method", "k", "tokens_per_s", "speedup_vs_target", "acceptance_rate", "mean_accepted_len",

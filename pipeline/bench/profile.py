@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PipelineError
-from .analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
+from ..speculative.analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
 
 
 @dataclass

@@ -27,7 +27,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from .analytic import alpha_from_steps, speedup_bound, step_cost
+from ..speculative.analytic import alpha_from_steps, speedup_bound, step_cost
 from .measure import Sample
 from .timing import CostTerms, percentile
 

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..bench.analytic import expected_tokens_per_step
+from ..speculative.analytic import expected_tokens_per_step
 
 PRIOR_WEIGHT = 2.0  # judged tokens at the engine-wide rate that a new row's counts start with
 ROW_DECAY = 0.9  # per drafting step: a row's acceptance counts describe about its last ten drafting steps

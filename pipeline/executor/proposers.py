@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..bench.analytic import expected_tokens_per_step
+from ..speculative.analytic import expected_tokens_per_step
 from ..speculative.ngram import propose_ngram
 from .request import SpecRequest
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench.analytic import (alpha_from_steps, best_k_from_survival, expected_tokens_from_survival,
+from pipeline.speculative.analytic import (alpha_from_steps, best_k_from_survival, expected_tokens_from_survival,
                                      expected_tokens_per_step, speedup_bound, speedups_from_survival, step_cost)
 from pipeline.bench.timing import CostTerms, percentile
 
