@@ -12,8 +12,11 @@ import time
 
 import pytest
 
-from pipeline.bench import serving
-from pipeline.bench.serving import ServeOptions, _Timing, add_ratios, run_load, summarize, targets_met
+from pipeline.bench import serve_matrix
+from pipeline.bench.load_generator import run_load
+from pipeline.bench.request_timing import RequestTiming, summarize
+from pipeline.bench.serve_matrix import ServeOptions, add_ratios
+from pipeline.bench.serve_report import targets_met
 from conftest import run_cli, tiny_config_dict, write_config
 
 
@@ -31,7 +34,7 @@ class _SleepClient:
         with self.guard:
             type(self).active += 1
             type(self).peak = max(type(self).peak, type(self).active)
-        timing = _Timing()
+        timing = RequestTiming()
         time.sleep(self.delay_s)
         with self.guard:
             type(self).active -= 1
@@ -77,21 +80,21 @@ def test_a_failed_request_fails_the_load():
 
 
 def test_summary_rates_and_percentiles():
-    timings = [_Timing(tokens=4, first_s=0.010, last_s=0.040, itl_s=[0.01] * 3, drafted=6, accepted=3, steps=2),
-               _Timing(tokens=4, first_s=0.030, last_s=0.060, itl_s=[0.01] * 3, drafted=0, accepted=0, steps=2)]
+    timings = [RequestTiming(tokens=4, first_s=0.010, last_s=0.040, itl_s=[0.01] * 3, drafted=6, accepted=3, steps=2),
+               RequestTiming(tokens=4, first_s=0.030, last_s=0.060, itl_s=[0.01] * 3, drafted=0, accepted=0, steps=2)]
     s = summarize(timings, wall_s=0.5)
     assert s["tokens_per_s"] == 16.0 and s["requests_per_s"] == 4.0
     assert s["ttft_ms_p50"] == pytest.approx(20.0) and s["itl_ms_p99"] == pytest.approx(10.0)
     assert s["mean_draft_len"] == 1.5 and s["acceptance_rate"] == 0.5
-    no_ttft = summarize([_Timing(tokens=2, first_s=None, last_s=0.1, itl_s=[0.05, 0.05])], 0.1)
+    no_ttft = summarize([RequestTiming(tokens=2, first_s=None, last_s=0.1, itl_s=[0.05, 0.05])], 0.1)
     assert no_ttft["ttft_ms_p50"] is None  # a path that cannot see the first token reports none, not zero
 
 
 def test_modes_name_the_right_draft_len():
-    assert serving.mode_draft_len("target_only", 4) == 0
-    assert serving.mode_draft_len("speculative_fixed", 4) == 4
-    assert serving.mode_draft_len("speculative", 4) is None  # adaptive: the engine caps K
-    assert serving.mode_draft_len("one_at_a_time", 4) is None
+    assert serve_matrix.mode_draft_len("target_only", 4) == 0
+    assert serve_matrix.mode_draft_len("speculative_fixed", 4) == 4
+    assert serve_matrix.mode_draft_len("speculative", 4) is None  # adaptive: the engine caps K
+    assert serve_matrix.mode_draft_len("one_at_a_time", 4) is None
 
 
 def _record(mode, c, tps, p99=100.0):
@@ -120,13 +123,13 @@ def test_matrix_interleaves_rounds_and_keeps_each_cells_best(monkeypatch):
     def fake_load(make, prompts, requests, concurrency, max_tokens, k, one_at_a_time):
         calls.append((concurrency, k, one_at_a_time))
         if len(calls) == 1:  # the warm-up
-            return [_Timing(tokens=1, last_s=1.0)], 1.0
-        return [_Timing(tokens=10, first_s=0.1, last_s=1.0, itl_s=[0.1])], 10.0 / next(speeds)
+            return [RequestTiming(tokens=1, last_s=1.0)], 1.0
+        return [RequestTiming(tokens=10, first_s=0.1, last_s=1.0, itl_s=[0.1])], 10.0 / next(speeds)
 
-    monkeypatch.setattr(serving, "run_load", fake_load)
+    monkeypatch.setattr(serve_matrix, "run_load", fake_load)
     options = ServeOptions(concurrency=[2], requests=4, rounds=2, modes=["target_only", "speculative_fixed"],
                            paths=["engine"])
-    records = serving.run_matrix({"engine": object}, [[1]], options, k=3, note=lambda _: None)
+    records = serve_matrix.run_matrix({"engine": object}, [[1]], options, k=3, note=lambda _: None)
     assert calls[1:] == [(2, 0, False), (2, 3, False)] * 2  # interleaved: A B A B, never A A B B
     assert [r["tokens_per_s"] for r in records] == [2.0, 3.0]
     assert [r["k"] for r in records] == [0, 3]
@@ -146,7 +149,7 @@ def engine_bench(built_engines, tmp_path_factory):
 def test_engine_path_end_to_end(engine_bench):
     data, out, stdout = engine_bench
     cells = {(r["mode"], r["concurrency"]): r for r in data["records"]}
-    assert set(cells) == {(m, c) for m in serving.MODES for c in (1, 2)}
+    assert set(cells) == {(m, c) for m in serve_matrix.MODES for c in (1, 2)}
     for (mode, _), r in cells.items():
         assert r["path"] == "engine" and r["requests"] == 4 and r["tokens"] <= 4 * 6
         assert r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"] > 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..config import MAX_DRAFT_LEN_LIMIT
 from ..errors import PipelineError
+from .arg_checks import check_range
 
 
 def add_bench_parsers(sub, common) -> None:
@@ -51,7 +52,7 @@ def add_bench_parsers(sub, common) -> None:
                    help="leave out the proposers that need no draft model (n-gram lookup, and ngram+draft)")
     p.set_defaults(func=_cmd_profile)
 
-    from .serving import add_bench_serve_parser
+    from .serve_cli import add_bench_serve_parser
 
     add_bench_serve_parser(sub, common)
 
@@ -60,12 +61,6 @@ def _cmd_profile(args) -> int:
     from .profile import cmd_profile
 
     return cmd_profile(args)
-
-
-def _check_range(flag: str, value: int, low: int, high: int | None = None, fix: str = "") -> None:
-    if value < low or (high is not None and value > high):
-        span = f"between {low} and {high}" if high is not None else f">= {low}"
-        raise PipelineError(f"{flag}: {value} must be {span}{'; ' + fix if fix else ''}")
 
 
 def open_executor(config, engines_dir: Path, k_max: int, note=print):
@@ -118,11 +113,11 @@ def cmd_bench(args) -> int:
     from .memory import memory_bound
     from .runner import BenchOptions, git_commit, machine_info, run_bench, timestamp
 
-    _check_range("--max-new-tokens", args.max_new_tokens, 2, fix="latency needs at least two tokens")
+    check_range("--max-new-tokens", args.max_new_tokens, 2, fix="latency needs at least two tokens")
     if args.num_prompts is not None:
-        _check_range("--num-prompts", args.num_prompts, 1)
-    _check_range("--k-max", args.k_max, 1, MAX_DRAFT_LEN_LIMIT)
-    _check_range("--repeats", args.repeats, 1)
+        check_range("--num-prompts", args.num_prompts, 1)
+    check_range("--k-max", args.k_max, 1, MAX_DRAFT_LEN_LIMIT)
+    check_range("--repeats", args.repeats, 1)
     if args.prompts is not None and args.prompt_set is not None:
         raise PipelineError("--prompt-set and --prompts: pass one of them (a built-in set, or your own file, whose "
                             "set labels name the sets)")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from ..errors import PipelineError
 from ..speculative.analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
+from .arg_checks import check_range
 
 
 @dataclass
@@ -195,8 +196,7 @@ def cmd_profile(args) -> int:
     from ..models import load_tokenizer, resolve_model
     from ..prompt_files import encode_items, read_prompt_file
 
-    if not 1 <= args.k_max <= MAX_DRAFT_LEN_LIMIT:
-        raise PipelineError(f"--k-max: {args.k_max} must be between 1 and {MAX_DRAFT_LEN_LIMIT}")
+    check_range("--k-max", args.k_max, 1, MAX_DRAFT_LEN_LIMIT)
     if args.max_new_tokens <= args.k_max:
         raise PipelineError(f"--max-new-tokens: {args.max_new_tokens} must exceed --k-max {args.k_max} so every "
                             f"draft position is measured; raise it")

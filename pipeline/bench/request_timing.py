@@ -1,0 +1,78 @@
+"""One request's timing as its client saw it, and a load's timings summarized into rates and percentiles."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .timing import percentile
+
+
+@dataclass
+class RequestTiming:
+    """One request as its client saw it; times in seconds from the client's send."""
+
+    tokens: int = 0
+    first_s: float | None = None  # first token arrived (None: the path cannot tell)
+    last_s: float = 0.0  # the response completed
+    itl_s: list[float] = field(default_factory=list)  # [tokens after the first step] per-token gaps
+    error: str | None = None
+    drafted: int = 0  # draft tokens proposed, accepted by the target, and target steps (the request's stats)
+    accepted: int = 0
+    steps: int = 0
+    started: float = field(default_factory=time.perf_counter)  # perf_counter at send
+
+    def queued_since(self, queued: float) -> None:
+        """Count a wait before the send (one-at-a-time's lock) into TTFT and latency, as the client saw it."""
+        wait = self.started - queued
+        self.first_s = None if self.first_s is None else self.first_s + wait
+        self.last_s += wait
+
+    def take_stats(self, drafted: int, accepted: int, steps: int) -> None:
+        """The request's running totals as its latest response reported them."""
+        self.drafted, self.accepted, self.steps = drafted, accepted, steps
+
+
+class TokenArrivals:
+    """Turns arrival times of token groups into a RequestTiming (a group of n after a gap t: n gaps of t / n)."""
+
+    def __init__(self) -> None:
+        self.timing = RequestTiming()
+        self.start = self.timing.started
+        self._last: float | None = None
+
+    def arrived(self, count: int, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        if count <= 0:
+            return
+        if self._last is None:
+            self.timing.first_s = now - self.start
+        else:
+            self.timing.itl_s.extend([(now - self._last) / count] * count)
+        self._last = now
+        self.timing.tokens += count
+
+    def done(self) -> RequestTiming:
+        self.timing.last_s = time.perf_counter() - self.start
+        return self.timing
+
+
+def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
+    """One load's record: tokens/s and requests/s over ``wall_s``, ITL, TTFT and latency p50/p99 in ms, and the
+    mean K and acceptance rate over every request's steps."""
+    tokens = sum(t.tokens for t in timings)
+    itl = [x for t in timings for x in t.itl_s]
+    firsts = [t.first_s for t in timings if t.first_s is not None]
+    latency = [t.last_s for t in timings]
+
+    def ms(values: list[float], q: float) -> float | None:
+        return round(1000 * percentile(values, q), 3) if values else None
+
+    drafted, steps = sum(t.drafted for t in timings), sum(t.steps for t in timings)
+    return {"requests": len(timings), "tokens": tokens, "wall_s": round(wall_s, 4),
+            "mean_draft_len": round(drafted / steps, 3) if steps else None,
+            "acceptance_rate": round(sum(t.accepted for t in timings) / drafted, 3) if drafted else None,
+            "tokens_per_s": round(tokens / wall_s, 2), "requests_per_s": round(len(timings) / wall_s, 3),
+            "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
+            "ttft_ms_p50": ms(firsts, 50), "ttft_ms_p99": ms(firsts, 99),
+            "latency_ms_p50": ms(latency, 50), "latency_ms_p99": ms(latency, 99)}

@@ -1,0 +1,133 @@
+"""`python -m pipeline bench-serve CONFIG`: serving throughput and latency under concurrent clients.
+
+For every path (serve_clients: the Python engine behind EngineLoop; the real tritonserver over HTTP and over a gRPC
+stream) and concurrency C, C client threads send their share of N greedy requests, one after another, in each
+mode (serve_matrix); cells are interleaved over rounds and each keeps its best. Also measured, before the engine
+serves anything: at batch 1 on the same prompts, our target-only decoding against Hugging Face ``generate`` greedy
+(hf_baseline). Writes engines/<name>/bench/serving.json and serving.png.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from .arg_checks import check_known, check_range, int_list, name_list
+from .serve_matrix import MODES, PATHS, ServeOptions
+
+
+def add_bench_serve_parser(sub, common) -> None:
+    p = sub.add_parser(
+        "bench-serve", help="serving under concurrent clients: one-at-a-time vs batched target-only vs speculative",
+        description="C client threads send their share of N greedy requests through the Python engine and through "
+                    "a real tritonserver on loopback, in each mode; tokens/s, requests/s, ITL and TTFT p50/p99 per "
+                    "(path, mode, C), best of interleaved rounds; plus batch-1 target-only vs HF generate. Writes "
+                    "engines/<name>/bench/serving.json and serving.png.")
+    common(p)
+    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32], help="comma list (default 1,4,16,32)")
+    p.add_argument("--requests", type=int, default=64, help="requests per (path, mode, C) (default 64)")
+    p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each cell keeps its best (default 2)")
+    p.add_argument("--modes", type=name_list, default=list(MODES), help=f"comma list (default {','.join(MODES)})")
+    p.add_argument("--paths", type=name_list, default=list(PATHS), help=f"comma list (default {','.join(PATHS)})")
+    p.add_argument("--prompt-set", default="code", help="built-in prompt set (default code)")
+    p.add_argument("--num-prompts", type=int, default=8, help="distinct prompts, sent in turn (default 8)")
+    p.add_argument("--hf-rounds", type=int, default=3,
+                   help="rounds of batch-1 target-only vs HF generate (0 skips it; default 3)")
+    p.add_argument("--out", type=Path, default=None, help="results folder (default engines/<name>/bench)")
+    p.set_defaults(func=cmd_bench_serve)
+
+
+def _checked_options(args) -> ServeOptions:
+    options = ServeOptions(concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+                           rounds=args.rounds, modes=args.modes, paths=args.paths, hf_rounds=args.hf_rounds)
+    check_range("--max-tokens", options.max_tokens, 2, fix="latency needs at least two tokens")
+    check_range("--requests", options.requests, 1)
+    check_range("--rounds", options.rounds, 1)
+    check_range("--hf-rounds", options.hf_rounds, 0)
+    for c in options.concurrency:
+        check_range("--concurrency", c, 1, options.requests, fix="each client needs at least one request")
+    check_known("--modes", options.modes, MODES)
+    check_known("--paths", options.paths, PATHS)
+    return options
+
+
+def cmd_bench_serve(args) -> int:
+    import json
+    import os
+
+    from ..config import load_config
+    from ..errors import PipelineError
+    from ..executor import SpeculativeExecutor
+    from ..executor.serving import EngineLoop
+    from ..run_cmd import proposer_options
+    from .hf_baseline import batch1_target_vs_hf
+    from .prompts import load_prompt_set, pair_seed_of
+    from .runner import fit_prompt, git_commit, machine_info, timestamp
+    from .serve_clients import EngineClient, TritonHttpClient, TritonStreamClient
+    from .serve_matrix import add_ratios, run_matrix
+    from .serve_plot import plot_serving
+    from .serve_report import format_serving_table, targets_met
+    from .triton_launch import start_triton
+
+    options = _checked_options(args)
+    config = load_config(args.config)
+    root = args.engines_dir / config.name
+    if not (root / "target" / "build").is_dir():
+        raise PipelineError(f"{root}: no built engines; run `python -m pipeline build {args.config}` first")
+    target_folder = config.base_dir / config.target.model
+    pair_seed = pair_seed_of(target_folder) if target_folder.is_dir() else 0
+    try:
+        texts = load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    device = None if config.runtime.device == "auto" else config.runtime.device
+    executor = SpeculativeExecutor.from_engines(root, device=device, adaptive_draft_len=True,
+                                                **proposer_options(config))
+    prompts = [fit_prompt(executor, text, options.max_tokens) for text in texts]
+    k = executor.max_draft_len
+    started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])
+
+    batch1 = None
+    if options.hf_rounds:  # before the EngineLoop exists: it runs on the executor's engine directly
+        batch1 = batch1_target_vs_hf(executor, prompts, options.max_tokens, options.hf_rounds)
+        print(f"batch 1, target only: ours {batch1['target_tokens_per_s']:.1f} tok/s, HF generate "
+              f"{batch1['hf_target_tokens_per_s']:.1f} tok/s ({batch1['target_vs_hf']:.2f}x)")
+    out_dir = args.out or args.engines_dir / config.name / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    loop = EngineLoop(executor.engine)
+    clients: dict[str, Callable[[], object]] = {"engine": lambda: EngineClient(executor, loop)}
+    server = None
+    try:
+        if {"triton", "triton_stream"} & set(options.paths):
+            server = start_triton(config, args.engines_dir, out_dir / "serving-tritonserver.log")
+            clients["triton"] = lambda: TritonHttpClient(server.endpoints.http)
+            clients["triton_stream"] = lambda: TritonStreamClient(server.endpoints.grpc)
+        clients = {path: make for path, make in clients.items() if path in options.paths}
+        records = run_matrix(clients, prompts, options, k)
+    finally:
+        loop.stop()
+        if server is not None:
+            server.stop()
+    add_ratios(records)
+    results = {
+        "config": config.name, "started": started, "finished": timestamp(), "git_commit": commit,
+        "machine": {**machine_info(str(executor.device)), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
+        "options": {**options.to_dict(), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+                    "decoding": "greedy", "max_batch_size": executor.max_batch_size, "k": k,
+                    "adaptive_draft_len": True},
+        "records": records, "batch1_target_vs_hf": batch1, "targets": targets_met(records),
+    }
+    tmp = out_dir / "serving.json.tmp"
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    tmp.replace(out_dir / "serving.json")
+    machine = results["machine"]
+    plot = plot_serving(records, out_dir / "serving.png",
+                        f"{config.name}: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} "
+                        f"torch threads), {options.max_tokens} tokens/request greedy, engine batch "
+                        f"{executor.max_batch_size}, K={k}")
+    print(format_serving_table(records))
+    for line in results["targets"]:
+        print(line)
+    print(f"wrote {out_dir / 'serving.json'} and {plot}")
+    return 0

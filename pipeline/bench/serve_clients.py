@@ -1,0 +1,122 @@
+"""The bench-serve clients, one per path; a client belongs to one thread, and send(prompt_ids, max_tokens, k)
+blocks until its request completed and returns the request's RequestTiming.
+
+  engine         EngineClient: an EngineLoop in this process; every step's tokens are timed as they are emitted
+  triton         TritonHttpClient: tritonclient HTTP against the request/response model ``speculative``; no
+                 per-token arrival, so TTFT is not measured and ITL is the request's time spread over its tokens
+  triton_stream  TritonStreamClient: tritonclient gRPC stream against the decoupled ``speculative_stream``; every
+                 target step arrives as it happens
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from .request_timing import RequestTiming, TokenArrivals
+
+STAT_OUTPUTS = ("draft_tokens", "accepted_tokens", "target_steps")  # the request's running totals
+
+
+class EngineClient:
+    """A client of an EngineLoop in this process; events are timed on the loop thread as they are emitted."""
+
+    def __init__(self, executor, loop):
+        self.executor, self.loop = executor, loop
+
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+        clock, finished = TokenArrivals(), threading.Event()
+        request = self.executor.new_request(list(prompt_ids), max_tokens, max_draft_len=k, with_text=False)
+
+        def on_event(event) -> None:
+            if isinstance(event, BaseException):
+                clock.timing.error = f"{type(event).__name__}: {event}"
+                finished.set()
+                return
+            clock.arrived(len(event.token_ids))
+            clock.timing.take_stats(event.stats.draft_tokens, event.stats.accepted_tokens, event.stats.target_steps)
+            if event.finished:
+                finished.set()
+
+        self.loop.submit(request, on_event)
+        finished.wait()
+        return clock.done()
+
+    def close(self) -> None:
+        pass
+
+
+def _infer_inputs(module, prompt_ids: list[int], max_tokens: int, k: int | None) -> list:
+    """The request's tensors for tritonclient ``module`` (http or grpc); num_draft_tokens only when K is named."""
+    import numpy as np
+
+    arrays = {"input_ids": np.array([prompt_ids], dtype=np.int32),
+              "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
+    if k is not None:
+        arrays["num_draft_tokens"] = np.array([[k]], dtype=np.int32)
+    inputs = []
+    for name, array in arrays.items():
+        tensor = module.InferInput(name, list(array.shape), "INT32")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def _stats(result) -> list[int]:
+    return [int(result.as_numpy(name).reshape(-1)[0]) for name in STAT_OUTPUTS]
+
+
+class TritonHttpClient:
+    """tritonclient HTTP against the request/response model: one response holds every token."""
+
+    def __init__(self, url: str, model: str = "speculative", timeout_s: float = 300.0):
+        import tritonclient.http as httpclient
+
+        self.module, self.model = httpclient, model
+        self.client = httpclient.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
+
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+        timing = RequestTiming()
+        result = self.client.infer(self.model, _infer_inputs(self.module, prompt_ids, max_tokens, k))
+        timing.last_s = time.perf_counter() - timing.started
+        timing.tokens = int(result.as_numpy("output_ids").size)
+        # No per-token arrivals: ITL is the whole request's time spread evenly over its tokens.
+        timing.itl_s = [timing.last_s / timing.tokens] * timing.tokens
+        timing.take_stats(*_stats(result))
+        return timing
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class TritonStreamClient:
+    """tritonclient gRPC stream against the decoupled model: one response per target step."""
+
+    def __init__(self, url: str, model: str = "speculative_stream", timeout_s: float = 300.0):
+        import tritonclient.grpc as grpcclient
+
+        self.module, self.model, self.timeout_s = grpcclient, model, timeout_s
+        self.client = grpcclient.InferenceServerClient(url)
+        self.responses: queue.SimpleQueue = queue.SimpleQueue()
+        # Stamped in the callback (the stream's reader thread), not when this thread gets round to reading it.
+        self.client.start_stream(callback=lambda result, error: self.responses.put(
+            (time.perf_counter(), result, error)))
+
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+        clock = TokenArrivals()
+        self.client.async_stream_infer(self.model, _infer_inputs(self.module, prompt_ids, max_tokens, k))
+        while True:
+            now, result, error = self.responses.get(timeout=self.timeout_s)
+            if error is not None:
+                clock.timing.error = str(error)
+                break
+            clock.arrived(int(result.as_numpy("output_ids").size), now)
+            clock.timing.take_stats(*_stats(result))
+            if result.as_numpy("finish_reason").reshape(-1)[0]:  # "" until the final response
+                break
+        return clock.done()
+
+    def close(self) -> None:
+        self.client.stop_stream()
+        self.client.close()
