@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, short_repr
+from .methods import Method, NgramSettings
 
 # K beyond this gives no measurable benefit (acceptance decays geometrically with position) and TensorRT-LLM's
 # draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
@@ -62,8 +63,9 @@ class NgramSpec(_Section):
     """N-gram (prompt-lookup) proposals: the tokens that followed the latest earlier occurrence of the sequence's
     longest recurring suffix."""
 
-    min_match: int = Field(1, ge=1, description="Shortest suffix (tokens) that may be looked up.")
-    max_match: int = Field(4, ge=1, description="Longest suffix tried first (a longer match predicts better).")
+    min_match: int = Field(NgramSettings.min_match, ge=1, description="Shortest suffix (tokens) that may be looked up.")
+    max_match: int = Field(NgramSettings.max_match, ge=1,
+                           description="Longest suffix tried first (a longer match predicts better).")
 
     @model_validator(mode="after")
     def _ordered(self) -> NgramSpec:
@@ -72,10 +74,13 @@ class NgramSpec(_Section):
                              f"({self.max_match}); lower min_match or raise max_match")
         return self
 
+    def settings(self) -> NgramSettings:
+        return NgramSettings(self.min_match, self.max_match)
+
 
 class SpeculativeSpec(_Section):
-    method: Literal["draft_model", "ngram", "ngram+draft"] = Field(
-        "draft_model",
+    method: Method = Field(
+        Method.DRAFT_MODEL,
         description="Who proposes draft tokens: 'draft_model' (the draft engine), 'ngram' (lookups in the prompt "
                     "and generated text; no draft model needed), 'ngram+draft' (per step and request, whichever "
                     "promises more tokens per unit of cost; lookups only where a match exists). Changing it "
@@ -160,8 +165,8 @@ class RuntimeSpec(_Section):
                                                                        "available.")
     target_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the target (trtllm).")
     draft_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the draft (trtllm).")
-    torch_compile: bool = Field(False, description="torch backend: compile the decode and verify forwards "
-                                                   "(static KV cache; the first requests pay the compile time).")
+    torch_compile: bool = Field(False, description="torch backend: torch.compile the draft and target forwards "
+                                                   "(dynamic shapes; the first requests pay the compile time).")
 
 
 class ServeSpec(_Section):
@@ -203,15 +208,15 @@ class PipelineConfig(_Section):
 
     @model_validator(mode="after")
     def _draft_for_method(self) -> PipelineConfig:
-        if self.draft is None and self.speculative.method != "ngram":
-            raise ValueError(f"draft: required for speculative.method {self.speculative.method!r}; add a draft "
+        if self.draft is None and self.speculative.method.needs_draft_model:
+            raise ValueError(f"draft: required for speculative.method {self.speculative.method.value!r}; add a draft "
                              f"model (draft: {{model: ...}}) or set speculative.method: ngram")
         return self
 
     @property
     def roles(self) -> tuple[str, ...]:
         """The models this config converts and builds: the draft only when its method uses a draft model."""
-        return ("target",) if self.speculative.method == "ngram" else ("target", "draft")
+        return ("target",) if not self.speculative.method.needs_draft_model else ("target", "draft")
 
     def resolved(self) -> dict:
         """The config as plain data, the form stored in manifests (no secrets live in the config)."""
@@ -225,7 +230,7 @@ def _loc_part(part: object) -> str:
     return short_repr(part)
 
 
-def _format_error(err: dict, data: object) -> str:
+def _format_error(err: dict) -> str:
     loc = ".".join(_loc_part(part) for part in err["loc"]) or "<config>"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
@@ -248,7 +253,7 @@ def parse_config(data: object, source: str = "<config>", base_dir: Path | None =
         config = PipelineConfig.model_validate(data)
     except ValidationError as exc:
         errors = exc.errors()
-        lines = [_format_error(e, data) for e in errors[:MAX_LISTED_ERRORS]]
+        lines = [_format_error(e) for e in errors[:MAX_LISTED_ERRORS]]
         if len(errors) > MAX_LISTED_ERRORS:
             lines.append(f"and {len(errors) - MAX_LISTED_ERRORS} more problems")
         raise ConfigError(f"{source}: " + "; ".join(lines)) from None

@@ -68,11 +68,10 @@ def read_chats(chats: list[str], messages_file: Path | None, system: str | None)
 
 
 def proposer_options(config) -> dict:
-    """from_engines keywords for the config's drafting method (draft model, n-gram lookup or both)."""
-    from .executor.proposers import NgramSettings
-
+    """from_engines keywords for the config's drafting method (a method swap rebuilds nothing, so the config's
+    current one, not the one recorded at build time)."""
     spec = config.speculative
-    return dict(method=spec.method, ngram=NgramSettings(spec.ngram.min_match, spec.ngram.max_match))
+    return dict(method=spec.method, ngram=spec.ngram.settings())
 
 
 def load_executor(config, engines_dir: Path):
@@ -81,12 +80,12 @@ def load_executor(config, engines_dir: Path):
     from .stages import verify_engines
 
     verify_engines(config, engines_dir)
-    device = None if config.runtime.device == "auto" else config.runtime.device
     proposer = proposer_options(config)
     if config.backend == "torch":
+        device = None if config.runtime.device == "auto" else config.runtime.device
         return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device,
                                                 compile=config.runtime.torch_compile, **proposer)
-    return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device, **proposer)
+    return SpeculativeExecutor.from_engines(engines_dir / config.name, **proposer)
 
 
 def cmd_run(args) -> int:

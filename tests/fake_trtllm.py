@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.executor.trtllm_executor import EngineOutput
+from pipeline.backends.trtllm_runner import RunnerOutput
 from pipeline.speculative import SamplingParams, logits_to_probs, sample
 
 
@@ -37,4 +37,4 @@ class FakeTrtllmEngine:
             seq.append(token)
             if draft_tokens is not None and (i >= len(draft_tokens) or token != draft_tokens[i]):
                 break
-        return EngineOutput(out, torch.stack(rows) if want_logits and rows else None)
+        return RunnerOutput(out, torch.stack(rows) if want_logits and rows else None)

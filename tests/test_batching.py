@@ -17,7 +17,7 @@ from conftest import load_tiny_models, tiny_vocab_model
 from pipeline.executor import SpeculativeExecutor
 from pipeline.executor.draft_policy import DraftPolicy
 from pipeline.executor.scheduler import Scheduler
-from pipeline.executor.serving import EngineLoop
+from pipeline.executor.serving_loop import ServingLoop
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "x = [1, 2",
            "for i in range(10):\n    ", "return", "if __name__ == '__main__':\n    main()\n"]
@@ -152,7 +152,7 @@ def test_engine_loop_serves_concurrent_clients_and_cancels(pair):
     target, draft, tok = pair
     ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_batch_size=4, adaptive_draft_len=True)
     expected = {p: r.token_ids for p, r in zip(PROMPTS, ex.generate(PROMPTS, 24))}
-    loop = EngineLoop(ex.engine)
+    loop = ServingLoop(ex.engine)
     got: dict[int, list[int]] = {}
     done = threading.Event()
     lock = threading.Lock()

@@ -134,7 +134,8 @@ def test_bench_runs_on_the_trtllm_executor_over_a_fake_engine(tiny_pair):
     from fake_trtllm import FakeTrtllmEngine
 
     from pipeline.bench.runner import BenchOptions, run_bench
-    from pipeline.executor.trtllm_executor import EngineLimits, TrtllmSpeculativeExecutor
+    from pipeline.backends.trtllm_runner import EngineLimits
+    from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor
 
     target, draft, tok = load_tiny_models(tiny_pair)
     ex = TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), FakeTrtllmEngine(draft), tok, EngineLimits(64, 128, 2),

@@ -9,7 +9,8 @@ import torch
 from conftest import load_tiny_models
 from fake_trtllm import FakeTrtllmEngine
 from pipeline.executor import RequestError, SpeculativeExecutor
-from pipeline.executor.trtllm_executor import EngineLimits, TrtllmSpeculativeExecutor, step_seed
+from pipeline.backends.trtllm_runner import EngineLimits
+from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor, step_seed
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self"]
 N = 20

@@ -8,7 +8,7 @@ import torch
 from conftest import load_tiny_models, tiny_vocab_model
 
 from pipeline.executor import SpeculativeExecutor
-from pipeline.executor.proposers import NgramSettings
+from pipeline.methods import Method, NgramSettings
 from pipeline.speculative.ngram import one_hot_probs, propose_ngram
 
 
@@ -88,21 +88,49 @@ def test_adaptive_k_governs_lookup_rows(pair, monkeypatch):
 
 
 def test_hybrid_choice_follows_each_proposers_record_and_cost(pair):
-    from pipeline.executor.proposers import choose_proposal
+    from pipeline.executor.step_batch import StepBatch
 
     target, draft, tok = pair
     ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, method="ngram+draft")
-    settings = NgramSettings()
+    hybrid = ex.engine.proposers[Method.NGRAM_DRAFT]
+
+    def route(request, cost_ratio=0.3, proposers=ex.engine.proposers):
+        batch = StepBatch([request])
+        batch.k = [4]
+        hybrid.cost_ratio = lambda: cost_ratio
+        chosen = proposers[request.method].route(batch, 0)
+        return (chosen.method if chosen else None), batch.lookups.get(0)
+
     repeats = ex.new_request([5, 6, 7, 8, 5, 6, 7], 10)
-    assert choose_proposal(repeats, 4, settings, cost_ratio=0.3) == ("ngram", [8, 5, 6, 7])  # no history: lookup
-    repeats.stats.by_proposer.update(ngram=[40, 0, 10], draft_model=[40, 36, 10])  # lookups always rejected
-    assert choose_proposal(repeats, 4, settings, cost_ratio=0.3) == ("draft_model", [])
-    assert choose_proposal(repeats, 4, settings, cost_ratio=3.0)[0] == "ngram"  # a draft that costs more than it saves
-    fresh = ex.new_request([5, 6, 7, 8], 10)
-    assert choose_proposal(fresh, 4, settings, cost_ratio=0.3) == ("draft_model", [])  # no match
-    assert choose_proposal(fresh, 0, settings, cost_ratio=0.3) == (None, [])
-    only_lookup = SpeculativeExecutor(target, None, tok, method="ngram").new_request([5, 6, 7, 8], 10)
-    assert choose_proposal(only_lookup, 4, settings, cost_ratio=0.3) == (None, [])  # no match: plain decoding
+    assert route(repeats) == (Method.NGRAM, [8, 5, 6, 7])  # no history: lookup
+    for _ in range(10):  # lookups always rejected, the draft model always accepted
+        repeats.advance([], 4, 0, proposer=Method.NGRAM)
+        repeats.advance([], 4, 4, proposer=Method.DRAFT_MODEL)
+        repeats.finish_reason = None
+    assert route(repeats)[0] == Method.DRAFT_MODEL
+    assert route(repeats, cost_ratio=3.0)[0] == Method.NGRAM  # a draft that costs more than it saves
+    assert route(ex.new_request([5, 6, 7, 8], 10)) == (Method.DRAFT_MODEL, [])  # no match
+    only_lookup = SpeculativeExecutor(target, None, tok, method="ngram")
+    assert route(only_lookup.new_request([5, 6, 7, 8], 10), proposers=only_lookup.engine.proposers)[0] is None
+
+
+def test_one_lookup_per_row_per_step_under_adaptive_k(pair, monkeypatch):
+    """The K policy asks what a lookup row can propose, then the row proposes: both from one lookup."""
+    from pipeline.executor.proposers import ngram as ngram_proposer
+
+    target, draft, tok = pair
+    calls = []
+
+    def counted(tokens, k, *args):
+        calls.append(len(tokens))
+        return propose_ngram(tokens, k, *args)
+
+    monkeypatch.setattr(ngram_proposer, "propose_ngram", counted)
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, method="ngram+draft", adaptive_draft_len=True,
+                             max_batch_size=4)
+    results = ex.generate(REPEATING[:3], 24)
+    steps = sum(r.stats.target_steps for r in results)
+    assert calls and len(calls) <= steps  # at most one per row per step (none on a plain step)
 
 
 def test_ngram_needs_no_draft_and_draft_model_needs_one(pair):
@@ -192,6 +220,8 @@ def test_ngram_config_builds_only_the_target_and_swapping_method_rebuilds_nothin
     executor = load_executor(load_config(path), engines)
     (result,) = executor.generate(REPEATING[:1], 16)
     assert set(result.stats.by_proposer) <= {"ngram"} and executor.engine.draft is None
+    built = SpeculativeExecutor.from_engines(engines / "lookup")  # the folder records its method: none to repeat
+    assert built.method == "ngram" and built.engine.draft is None
 
     # method: ngram+draft with the draft added: the target is up to date, only the draft is converted and built
     path = write_config(tmp_path, {**data, "draft": draft, "speculative": {"method": "ngram+draft", "max_draft_len": 4}})

@@ -12,7 +12,7 @@ import torch
 from pipeline.chat import encode_chat
 from pipeline.config import load_config
 from pipeline.executor import SpeculativeExecutor
-from pipeline.executor.proposers import NgramSettings
+from pipeline.methods import NgramSettings
 
 from conftest import PY, REPO
 

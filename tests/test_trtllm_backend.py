@@ -17,8 +17,10 @@ from pipeline.artifacts import content_hashes, output_stats, write_manifest
 from pipeline.backends import trtllm
 from pipeline.backends.trtllm_api import INSTALL_HINT, PINNED_VERSION, TRITON_CONTAINER, require_cuda_gpu
 from pipeline.backends.trtllm_loading import check_pair
+from pipeline.methods import Method
 from pipeline.backends.trtllm_preflight import preflight, read_engine_config
-from pipeline.executor.trtllm_executor import EngineLimits, EngineOutput, TrtllmSpeculativeExecutor
+from pipeline.backends.trtllm_runner import EngineLimits, RunnerOutput
+from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor
 from pipeline.config import load_config
 from pipeline.errors import BackendUnavailable, ConfigError, EngineError
 from pipeline.executor.results import RequestError
@@ -217,7 +219,7 @@ class FakeTrtllmRuntime:
             if token == EOS or (draft_tokens is not None and (i >= len(draft_tokens) or token != draft_tokens[i])):
                 break
         logits = torch.zeros(len(out), self.vocab_size - 2) if want_logits else None
-        return EngineOutput(out, logits)
+        return RunnerOutput(out, logits)
 
 
 def make_executor(k=4, eos_at=None, acceptance="greedy"):
@@ -329,7 +331,7 @@ def test_executor_engines_get_the_shared_kv_split(monkeypatch, tmp_path, draft_i
                                                                                               PINNED_VERSION}))
     monkeypatch.setattr(trtllm_loading, "require_cuda_gpu", lambda what: None)
     monkeypatch.setattr(trtllm_loading, "ModelRunnerEngine", RecordingEngine)
-    trtllm_loading.load_executor(lambda *args, **kwargs: None, tmp_path, [0], draft_ids)
+    trtllm_loading.open_engines(tmp_path, Method.DRAFT_MODEL, [0], draft_ids)
     fraction = config.build.kv_cache.free_gpu_mem_fraction
     target_kv, draft_kv = kv_cache_fractions(fraction, [0], draft_ids)
     assert opened == {"target": ([0], target_kv), "draft": (draft_ids, draft_kv)}
@@ -383,3 +385,16 @@ def test_ngram_loads_only_the_target_engine(monkeypatch, tmp_path):
         TrtllmSpeculativeExecutor.from_engines(tmp_path)
     executor = TrtllmSpeculativeExecutor.from_engines(tmp_path, method="ngram")
     assert opened == ["target"] and executor.draft is None and executor.method == "ngram" and executor.has_draft
+
+    # Built from an ngram config, the folder says so: no method argument needed.
+    ngram_config = config.model_copy(update={"speculative": config.speculative.model_copy(
+        update={"method": Method.NGRAM, "ngram": config.speculative.ngram.model_copy(update={"max_match": 3})})})
+    (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(ngram_config, "target", PINNED_VERSION)))
+    _seal(folder, {"stage": "build", "role": "target"})
+    executor = TrtllmSpeculativeExecutor.from_engines(tmp_path)
+    assert executor.method == "ngram" and executor.draft is None and executor.ngram.max_match == 3
+    from pipeline.executor import SpeculativeExecutor
+
+    with pytest.raises(EngineError, match="compile, adaptive_draft_len: torch-backend options"):
+        SpeculativeExecutor.from_engines(tmp_path, compile=True, adaptive_draft_len=True)
+    assert SpeculativeExecutor.from_engines(tmp_path).method == "ngram"

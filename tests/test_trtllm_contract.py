@@ -24,7 +24,7 @@ import yaml
 
 from conftest import REPO, run_cli
 from pipeline.backends.trtllm_api import PINNED_VERSION, build_argv, convert_calls
-from pipeline.executor.trtllm_executor import Sampling
+from pipeline.backends.trtllm_runner import Sampling
 from pipeline.checks import TRTLLM_ARCHITECTURES
 from pipeline.config import load_config, parse_config
 
@@ -227,7 +227,7 @@ def test_model_runner_calls_bind_to_the_recorded_signatures(monkeypatch, tmp_pat
     runtime.ModelRunnerCpp = RecordingModelRunnerCpp
     monkeypatch.setitem(sys.modules, "tensorrt_llm", types.ModuleType("tensorrt_llm"))
     monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
-    from pipeline.backends.trtllm_loading import ModelRunnerEngine
+    from pipeline.backends.trtllm_runner import ModelRunnerEngine
 
     RecordingModelRunnerCpp.calls = []
     engine = ModelRunnerEngine(tmp_path, [0], 0.17, True, True, 2, 2, 8191)

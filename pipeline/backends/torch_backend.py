@@ -10,9 +10,8 @@ import json
 from pathlib import Path
 
 from ..config import PipelineConfig
-from ..executor.loading import ENGINE_FILE
+from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
 from ..models import ResolvedModel, load_causal_lm, load_tokenizer
-
 
 
 def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Path) -> dict:
@@ -24,15 +23,7 @@ def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Pa
 
 
 def engine_limits(config: PipelineConfig, role: str) -> dict:
-    build = config.build
-    return {
-        "backend": "torch", "role": role, "config_name": config.name, "dtype": getattr(config, role).dtype,
-        "max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
-        "max_seq_len": build.max_seq_len,
-        # Only the target verifies; the draft needs no spec mode, like TensorRT-LLM's draft engine.
-        "max_draft_len": config.speculative.max_draft_len if role == "target" else 0,
-        "acceptance": config.speculative.acceptance,
-    }
+    return engine_fields(config, role, "torch")
 
 
 def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
@@ -49,5 +40,5 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
     limits = engine_limits(config, role)
     limits["architecture"] = type(lm).__name__
     limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]
-    (out_dir / ENGINE_FILE).write_text(json.dumps(limits, indent=2) + "\n")
+    write_engine_info(out_dir, limits)
     return {"engine": limits}

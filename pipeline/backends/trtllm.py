@@ -21,7 +21,7 @@ from ..gguf import dequantized_folder_label
 from ..models import ResolvedModel, load_tokenizer, read_hf_config
 from .trtllm_api import (PINNED_VERSION, TOKENIZER_DIR, build_argv, convert_calls, format_argv, import_tensorrt_llm,
                          needs_generation_logits, require_cuda_gpu, require_trtllm_build, role_parallel)
-from ..executor.loading import ENGINE_FILE
+from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
 from .trtllm_preflight import (check_context_logits, check_target_spec_mode, raise_if_problems,
                                read_engine_config)
 from ..executor.trtllm_executor import TrtllmSpeculativeExecutor
@@ -107,11 +107,7 @@ def engine_info(config: PipelineConfig, role: str, trtllm_version: str) -> dict:
     build = config.build
     par = role_parallel(config, role)
     return {
-        "backend": "trtllm", "role": role, "config_name": config.name, "dtype": getattr(config, role).dtype,
-        "max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
-        "max_seq_len": build.max_seq_len,
-        "max_draft_len": config.speculative.max_draft_len if role == "target" else 0,
-        "acceptance": config.speculative.acceptance, "tp": par.tp, "pp": par.pp, "trtllm_version": trtllm_version,
+        **engine_fields(config, role, "trtllm"), "tp": par.tp, "pp": par.pp, "trtllm_version": trtllm_version,
         "gather_generation_logits": needs_generation_logits(config),
         "kv_cache_free_gpu_mem_fraction": build.kv_cache.free_gpu_mem_fraction,
         "enable_block_reuse": build.kv_cache.enable_block_reuse,
@@ -151,7 +147,7 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
 
         shutil.copytree(tokenizer_src, out_dir / TOKENIZER_DIR)
         info["tokenizer_len"] = _tokenizer_len(out_dir / TOKENIZER_DIR)
-    (out_dir / ENGINE_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    write_engine_info(out_dir, info)
     return {"argv": argv, "command": format_argv(argv), "engine": info,
             "build_seconds": round(time.perf_counter() - start, 1)}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from ..methods import Method, parse_method
 from .limits import check_request
-from .proposers import METHODS
 from .request import DraftLen, SpecRequest, make_generator, parse_draft_len, sampling_params
 from .results import GenerationResult, RequestError, StreamEvent
 from .text import Prompt, TokenizerIO
@@ -26,12 +26,12 @@ class ExecutorBase(TokenizerIO):
     vocab_size: int | None = None  # ids a prompt may hold (None = unchecked)
     eos_token_ids: list[int] = []
     device = "cpu"  # where request generators live
-    method = "draft_model"  # who proposes: "draft_model" | "ngram" | "ngram+draft"
+    method = Method.DRAFT_MODEL  # who proposes by default
 
     @property
     def has_draft(self) -> bool:
         """Something can propose draft tokens: a draft model, or n-gram lookup."""
-        return self.has_draft_model or self.method == "ngram"
+        return self.has_draft_model or self.method == Method.NGRAM
 
     @property
     def has_draft_model(self) -> bool:
@@ -86,11 +86,7 @@ class ExecutorBase(TokenizerIO):
                     method: str | None = None) -> SpecRequest:
         """A checked request; raises RequestError naming the value and the fix."""
         params = sampling_params(temperature, top_k, top_p)
-        method = method or self.method
-        if method not in METHODS:
-            raise RequestError(f"method: {method!r} is unknown; use one of {', '.join(METHODS)}")
-        if method != "ngram" and not self.has_draft_model:
-            raise RequestError(f"method: {method!r} needs a draft model, and this executor has none; use 'ngram'")
+        method = parse_method(method or self.method, self.has_draft_model, error=RequestError)
         plan = parse_draft_len(max_draft_len, self.max_draft_len)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
             raise RequestError(f"max_new_tokens: {max_new_tokens!r} must be an int >= 0")

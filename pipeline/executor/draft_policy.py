@@ -17,9 +17,9 @@ again, so a request whose text turns predictable (an answer that starts copying 
 at K=0 for good; measured on SmolLM2-135M with n-gram lookups, the policy that planned with a row's whole history
 drafted 0-14 tokens in 64 steps of a code edit where K=6 drafted 80 and ran 1.7x faster. So:
 
-  exploit  a row's rate is what its recent drafting steps showed: counts that decay by ROW_DECAY per drafting step,
-           seeded with PRIOR_WEIGHT tokens at the engine-wide rate, which fade as the row's own evidence comes in
-           (a prior that never faded kept prose rows drafting in a server whose other requests were code);
+  exploit  a row's rate is what its recent drafting steps showed (an AcceptanceEstimate, pipeline.executor.
+           acceptance: decaying counts seeded at the engine-wide rate, a prior that fades as the row's own evidence
+           comes in; one that never faded kept prose rows drafting in a server whose other requests were code);
   probe    a row that has not drafted for ``patience`` steps (a new row at once) is planned at PROBE_RATE or its
            own rate if higher: it drafts wherever a text accepted that often would pay. A probe the target rejects
            outright doubles the wait plus a step (up to MAX_PATIENCE); an accepted token, or drafting on its own
@@ -28,7 +28,7 @@ drafted 0-14 tokens in 64 steps of a code edit where K=6 drafted 80 and ran 1.7x
 A lookup that finds a match is free to propose, so for n-gram rows the only question is whether the wider verify
 pays, and the verify's cost is what this engine measured at that width. The estimate is per row, not per
 proposer: a request has one method, and an ``ngram+draft`` row pools what its two proposers drafted (which of them
-drafts a step is decided per proposer, in proposers.py).
+drafts a step is decided per request, with the same estimate per proposer, in proposers/ngram_or_draft.py).
 """
 
 from __future__ import annotations
@@ -42,9 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from ..speculative.analytic import expected_tokens_per_step
-
-PRIOR_WEIGHT = 2.0  # judged tokens at the engine-wide rate that a new row's counts start with
-ROW_DECAY = 0.9  # per drafting step: a row's acceptance counts describe about its last ten drafting steps
+from .acceptance import PRIOR_WEIGHT, AcceptanceEstimate
 PROBE_RATE = 0.4  # the rate a row due for a probe is planned with: it drafts where such a text would pay
 PATIENCE_GROWTH = 2.0  # a failed probe makes the next one wait this many times longer (plus a step)
 MAX_PATIENCE = 16  # the longest a row that stopped drafting waits before it probes again (steps)
@@ -134,11 +132,9 @@ def _interpolate(points: dict[int, float], tokens: int) -> float:
 
 @dataclass
 class _Row:
-    """What the policy knows about one request. Its counts start as PRIOR_WEIGHT tokens at the engine-wide rate and
-    decay with the rest, so the prior fades as the row's own evidence comes in instead of outweighing it for good."""
+    """What the policy knows about one request."""
 
-    judged: float  # draft tokens the target judged, recent ones weighing most (ROW_DECAY per drafting step)
-    accepted: float  # of those, accepted
+    acceptance: AcceptanceEstimate  # its recent acceptance, starting at the engine-wide rate
     idle: int = 1  # steps since it last drafted (a new row starts due for a probe)
     patience: int = 1  # idle steps before its next probe
     probing: bool = False  # this step's plan gave it the probe rate
@@ -162,31 +158,22 @@ class DraftPolicy:
 
     def _row(self, row: int) -> _Row:
         if row not in self._rows:
-            self._rows[row] = _Row(judged=PRIOR_WEIGHT, accepted=self.prior_rate * PRIOR_WEIGHT)
+            self._rows[row] = _Row(AcceptanceEstimate.starting_at(self.prior_rate))
         return self._rows[row]
 
     def row_rate(self, row: int) -> float:
         """The per-token acceptance rate request ``row`` has shown in its recent drafting steps, shrunk towards the
         engine-wide rate while it has little evidence (what the policy exploits; probes are planned in ``plan``)."""
         state = self._rows.get(row)
-        if state is None:
-            return min(self.prior_rate, 0.999)
-        return min(state.accepted / state.judged, 0.999)
+        return (state.acceptance if state is not None else AcceptanceEstimate.starting_at(self.prior_rate)).rate
 
     def observe(self, row: int, drafted: int, accepted: int) -> None:
-        """One verify's outcome for request ``row`` (drafted 0: a plain step, which only counts as idle).
-
-        The rate planned with is the chance that one more draft token is accepted given the ones before it were
-        (the alpha of the formula), so the tokens after the first rejection, never judged, do not count: a step
-        judged ``accepted`` tokens and at most one rejection. (accepted / drafted would read 0.5 for alpha 0.85 at
-        K = 8, and the policy would then draft too little.)"""
+        """One verify's outcome for request ``row`` (drafted 0: a plain step, which only counts as idle)."""
         state = self._row(row)
         if drafted <= 0:
             state.idle += 1
             return
-        judged = accepted + (1 if accepted < drafted else 0)
-        state.judged = ROW_DECAY * state.judged + judged
-        state.accepted = ROW_DECAY * state.accepted + accepted
+        judged = state.acceptance.observe(drafted, accepted)
         # A probe the target rejected outright makes the next one wait longer; a probe with an accepted token, or
         # drafting on the row's own estimate, resets the wait.
         failed = state.probing and accepted == 0

@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..methods import Method
 from ..speculative import SamplingParams
+from .acceptance import PROPOSER_PRIOR, AcceptanceEstimate
 from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling
 
 _ids = itertools.count()
@@ -80,13 +82,15 @@ class SpecRequest:
     eos_ids: frozenset[int]
     decode: object = None  # callable(list[int]) -> str, or None when no text is wanted per step
     seed: int | None = None  # as given (the generator already holds it; engines that take seeds read it here)
-    method: str = "draft_model"  # who proposes: "draft_model" | "ngram" | "ngram+draft" (chosen per step)
+    method: Method = Method.DRAFT_MODEL  # who proposes (ngram+draft: chosen per step)
     id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
     cancelled: bool = False
     k_now: int = 0  # dynamic K's current value
+    # proposer -> this request's acceptance with it (what ngram+draft chooses by)
+    _acceptance: dict[Method, AcceptanceEstimate] = field(default_factory=dict)
     _text_sent: str = ""
 
     def __post_init__(self):
@@ -116,15 +120,16 @@ class SpecRequest:
             k = min(k, cap)
         return max(0, min(k, self.remaining - 1))
 
-    def proposer_rate(self, proposer: str, prior: float, weight: float = 4.0) -> float:
-        """This request's acceptance rate for one proposer so far, shrunk towards ``prior`` while history is short."""
-        drafted, accepted, _ = self.stats.by_proposer.get(proposer, (0, 0, 0))
-        return min((accepted + prior * weight) / (drafted + weight), 0.999)
+    def acceptance(self, proposer: Method) -> AcceptanceEstimate:
+        """This request's recent acceptance with ``proposer`` (a prior until it drafted with it)."""
+        if proposer not in self._acceptance:
+            self._acceptance[proposer] = AcceptanceEstimate.starting_at(PROPOSER_PRIOR[proposer])
+        return self._acceptance[proposer]
 
     # ---- one step's outcome --------------------------------------------------------------------------------------
 
     def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int, plain_run: bool = False,
-                proposer: str | None = None) -> StreamEvent:
+                proposer: Method | None = None) -> StreamEvent:
         """Record one target step that emitted ``new_tokens`` (accepted draft tokens + one target token).
 
         ``plain_run``: the tokens come from plain decoding, one target step each (an engine that decoded several
@@ -138,6 +143,8 @@ class SpecRequest:
                 break
         for _ in range(len(tokens) if plain_run else 1):
             self.stats.record_step(drafted, accepted, proposer)
+        if proposer is not None and drafted > 0:
+            self.acceptance(proposer).observe(drafted, accepted)
         if self.plan.dynamic and drafted > 0:
             self.k_now = next_draft_len(self.k_now, drafted, accepted, self.plan.k_max)
         self.generated.extend(tokens)

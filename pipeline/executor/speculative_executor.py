@@ -2,7 +2,7 @@
 
 ``generate(prompts)`` runs its prompts as one batch (up to max_batch_size at once, the rest queued and joining as
 rows finish); ``generate_stream`` runs one request. Servers drive the engine itself (add, step, cancel) through
-pipeline.executor.serving.EngineLoop.
+pipeline.executor.serving_loop.ServingLoop.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from ..engine_info import EngineInfo, read_engine
 from ..errors import EngineError
-from .base import ExecutorBase
-from .engine import SpeculativeEngine
 from ..layout import Layout
-from .loading import load_engine_model, read_engine
-from .proposers import NgramSettings, check_method
+from ..methods import Method, NgramSettings, parse_method
+from .base import ExecutorBase
+from .batching_engine import BatchingEngine
 from .request import SpecRequest
 from .results import RequestError, StreamEvent
 
@@ -29,7 +29,7 @@ class SpeculativeExecutor(ExecutorBase):
     def __init__(self, target_model, draft_model, tokenizer, max_draft_len: int = 4, device: str = "cpu",
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
                  draft_len_limit: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
-                 adaptive_draft_len: bool = False, compile: bool = False, method: str = "draft_model",
+                 adaptive_draft_len: bool = False, compile: bool = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None):
         """``max_batch_size``: requests that run at once (the rest wait); ``adaptive_draft_len``: let the engine
         lower K per step when the batch makes drafting unprofitable (serving; results never depend on it);
@@ -38,9 +38,8 @@ class SpeculativeExecutor(ExecutorBase):
         "ngram+draft" (per step, whichever promises more tokens per unit of cost)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
-        check_method(method, draft_model is not None)
-        self.method = method
-        if method == "ngram":
+        self.method = parse_method(method, draft_model is not None)
+        if self.method == Method.NGRAM:
             draft_model = None  # never run: lookups need no model
         self.device = torch.device(device)
         self.tokenizer = tokenizer
@@ -56,7 +55,7 @@ class SpeculativeExecutor(ExecutorBase):
         self.vocab_size = target_vocab if draft_model is None else \
             min(target_vocab, draft_model.get_output_embeddings().weight.shape[0])
         self.eos_token_ids = _eos_ids(target_model, tokenizer)
-        self.engine = SpeculativeEngine(
+        self.engine = BatchingEngine(
             target_model, draft_model, device=self.device, max_batch=max_batch_size,
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             k_max=max(max_draft_len, draft_len_limit or 0), acceptance=acceptance,
@@ -80,7 +79,7 @@ class SpeculativeExecutor(ExecutorBase):
     def from_pretrained(cls, target, draft, max_draft_len: int = 4, device: str = "cpu", dtype: str = "float32",
                         acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None,
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
-                        compile: bool = False, method: str = "draft_model",
+                        compile: bool = False, method: str = Method.DRAFT_MODEL,
                         ngram: NgramSettings | None = None) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
         ``draft`` may be None with ``method="ngram"``."""
@@ -104,30 +103,41 @@ class SpeculativeExecutor(ExecutorBase):
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,
-                     adaptive_draft_len: bool = False, method: str = "draft_model",
+                     adaptive_draft_len: bool = False, method: str | None = None,
                      ngram: NgramSettings | None = None):
-        """Load the engines built for one config: ``engines/<name>`` (holding target/build and draft/build; with
-        ``method="ngram"`` only the target is needed)."""
+        """Load the engines built for one config: ``engines/<name>`` (target/build, and draft/build unless the
+        method is ngram). ``method`` and ``ngram`` default to what the engines were built for (engine.json);
+        engines built by the trtllm backend open a TrtllmSpeculativeExecutor, which takes no torch options."""
         layout = Layout(Path(path))
         target_info = read_engine(layout.root, "target")
+        method = method or target_info.built_method(layout.engine_dir("draft").exists())
+        ngram = ngram or target_info.ngram_settings()
         if target_info.backend == "trtllm":
             from .trtllm_executor import TrtllmSpeculativeExecutor
 
+            refused = [name for name, value in (("device", device), ("compile", compile),
+                                                ("adaptive_draft_len", adaptive_draft_len)) if value]
+            if refused:
+                raise EngineError(f"{', '.join(refused)}: torch-backend options, but {layout.root} holds TensorRT-LLM "
+                                  f"engines (they run on the GPUs recorded at build time and choose K per request); "
+                                  f"leave them out")
             return TrtllmSpeculativeExecutor.from_engines(layout.root, method=method, ngram=ngram)
+        method = parse_method(method, has_draft_model=True, error=EngineError)
         draft_model = None
-        if method != "ngram":
+        if method.needs_draft_model:
             if not layout.engine_dir("draft").exists():
-                raise EngineError(f"{layout.engine_dir('draft')}: no draft engine, and method {method!r} needs one; "
-                                  f"build it (speculative.method: draft_model or ngram+draft) or use method 'ngram'")
+                raise EngineError(f"{layout.engine_dir('draft')}: no draft engine, and method {method.value!r} needs "
+                                  f"one; build it (speculative.method: draft_model or ngram+draft) or use method "
+                                  f"'ngram'")
             draft_info = read_engine(layout.root, "draft")
             if target_info.config_name != draft_info.config_name:
                 raise EngineError(f"{layout.root}: target engine was built for config {target_info.config_name!r} "
                                   f"but the draft for {draft_info.config_name!r}; rebuild both with one config")
-            draft_model, _ = load_engine_model(layout.engine_dir("draft"), draft_info)
+            draft_model, _ = _load_engine_model(layout.engine_dir("draft"), draft_info)
         from ..models import load_tokenizer
 
         device = device or _auto_device()
-        target_model, target_spec = load_engine_model(layout.engine_dir("target"), target_info)
+        target_model, target_spec = _load_engine_model(layout.engine_dir("target"), target_info)
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None,
                    load_tokenizer(target_spec), max_draft_len=target_info.max_draft_len, device=device,
                    acceptance=target_info.acceptance, max_seq_len=target_info.max_seq_len,
@@ -166,6 +176,16 @@ def _eos_ids(model, tokenizer) -> list[int]:
         elif isinstance(source, (list, tuple)):
             found.update(int(x) for x in source)
     return sorted(found)
+
+
+def _load_engine_model(folder: Path, info: EngineInfo):
+    """Returns (model, ResolvedModel of the folder). A torch engine folder holds safetensors weights."""
+    from ..config import ModelSpec
+    from ..models import ResolvedModel, load_causal_lm
+
+    spec = ModelSpec(model=str(folder), dtype=info.dtype)
+    resolved = ResolvedModel(info.role, spec, folder, "local", None)
+    return load_causal_lm(resolved, info.dtype), resolved
 
 
 def _load(source, role: str, dtype: str, trust_remote_code: bool):

@@ -8,37 +8,26 @@ Per target step (one request):
   3. Both engines see the grown sequence as a new request next step; KV-cache block reuse makes the shared
      prefix free, which is why the pinned release requires paged context FMHA and block reuse for this method.
 Prompt handling, K (fixed or "auto"), request checks, stops, UTF-8 deltas and statistics come from ExecutorBase and
-SpecRequest, shared with the torch executor. The engine boundary is :class:`EngineRunner`; the real one is
-pipeline.backends.trtllm_loading.ModelRunnerEngine, tests substitute a fake (named as such).
+SpecRequest, shared with the torch executor. The engine boundary is pipeline.backends.trtllm_runner.TrtllmRunner;
+the real one is ModelRunnerEngine there, tests substitute a fake (named as such).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
 
 import torch
 
-import time
-
+from ..backends.trtllm_runner import EngineLimits, Sampling, TrtllmRunner
+from ..methods import Method, NgramSettings, parse_method
+from ..speculative.ngram import propose_ngram
 from .base import ExecutorBase
-from .proposers import DRAFT, NgramSettings, check_method, choose_proposal
+from .proposers import CostRatio, prefer_lookup
 from .request import SpecRequest
-from .results import StreamEvent, checked_sampling
+from .results import StreamEvent
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): step seeds of nearby request seeds differ
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self):
-        checked_sampling(self.temperature, self.top_k, self.top_p)  # same rules and messages as the torch path
 
 
 def step_seed(seed: int, step: int, role: int) -> int:
@@ -48,29 +37,6 @@ def step_seed(seed: int, step: int, role: int) -> int:
     gives it a new request every step: one seed for all of them would replay the same uniforms each step.
     """
     return (seed + (2 * step + role + 1) * SEED_STRIDE) % (1 << 64)
-
-
-@dataclass
-class EngineOutput:
-    token_ids: list[int]  # generated tokens only, after the prompt
-    logits: Any = None  # [len(token_ids), vocab] generation logits when asked for, else None
-
-
-class EngineRunner(Protocol):
-    """The TensorRT-LLM boundary: one engine that generates for one sequence."""
-
-    vocab_size: int
-
-    def generate(self, prompt: list[int], max_new_tokens: int, sampling: Sampling, *,
-                 draft_tokens: list[int] | None = None, draft_logits: Any = None,
-                 want_logits: bool = False) -> EngineOutput: ...
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_input_len: int
-    max_seq_len: int
-    max_draft_len: int  # K the target engine was built for
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -85,17 +51,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class TrtllmSpeculativeExecutor(ExecutorBase):
     """generate()/generate_stream()/run() of ExecutorBase over two TensorRT-LLM engines."""
 
-    def __init__(self, target: EngineRunner, draft: EngineRunner | None, tokenizer, limits: EngineLimits,
+    def __init__(self, target: TrtllmRunner, draft: TrtllmRunner | None, tokenizer, limits: EngineLimits,
                  max_draft_len: int, acceptance: str = "rejection", eos_token_ids: Sequence[int] = (),
-                 method: str = "draft_model", ngram: NgramSettings | None = None):
+                 method: str = Method.DRAFT_MODEL, ngram: NgramSettings | None = None):
         """``method``: "draft_model", "ngram" (lookups fed to the target as external draft tokens, as TensorRT-LLM's
         examples/ngram does; ``draft`` may be None) or "ngram+draft" (per step, the better of the two)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
-        check_method(method, draft is not None)
-        self.method = method
+        self.method = parse_method(method, draft is not None)
         self.ngram = ngram or NgramSettings()
-        self._seconds = {"draft": 0.0, "target": 0.0}  # mean seconds per draft token / per verify call
+        self.costs = CostRatio()  # a draft token's seconds over a verify call's
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.limits = limits
         self.max_draft_len = max_draft_len
@@ -111,31 +76,38 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
 
     @property
     def cost_ratio(self) -> float:
-        draft, target = self._seconds["draft"], self._seconds["target"]
-        return draft / target if draft > 0 and target > 0 else 0.25
+        return self.costs.value
 
     def _timed(self, role: str, per: int, call):
         start = time.perf_counter()
         out = call()
-        seconds = (time.perf_counter() - start) / max(per, 1)
-        mean = self._seconds[role]
-        self._seconds[role] = seconds if mean == 0 else 0.9 * mean + 0.1 * seconds
+        self.costs.record(role, (time.perf_counter() - start) / max(per, 1))
         return out
 
     @classmethod
     def from_engines(cls, root, target_device_ids: list[int] | None = None,
-                     draft_device_ids: list[int] | None = None, method: str = "draft_model",
+                     draft_device_ids: list[int] | None = None, method: str | None = None,
                      ngram: NgramSettings | None = None) -> TrtllmSpeculativeExecutor:
-        """Load engines/<name> built by the trtllm backend (target/build and draft/build).
+        """Load engines/<name> built by the trtllm backend (target/build, and draft/build unless the method is ngram).
 
-        GPUs default to runtime.target_device_ids / runtime.draft_device_ids as recorded in engine.json at build
-        time; pass them to override (runtime settings do not invalidate a build).
+        ``method`` and ``ngram`` default to what the engines were built for (engine.json). GPUs default to
+        runtime.target_device_ids / runtime.draft_device_ids as recorded there at build time; pass them to override
+        (runtime settings do not invalidate a build).
         """
-        from ..backends.trtllm_loading import load_executor
+        from pathlib import Path
 
-        executor = load_executor(cls, root, target_device_ids, draft_device_ids, method=method)
-        executor.ngram = ngram or executor.ngram
-        return executor
+        from ..backends import trtllm_loading
+        from ..engine_info import read_engine
+        from ..layout import Layout
+
+        trtllm_loading.import_tensorrt_llm("running TensorRT-LLM engines")  # first: without it nothing runs
+        layout = Layout(Path(root))
+        info = read_engine(layout.root, "target")
+        method = parse_method(method or info.built_method(layout.engine_dir("draft").exists()), True)
+        opened = trtllm_loading.open_engines(layout.root, method, target_device_ids, draft_device_ids)
+        return cls(opened.target, opened.draft, opened.tokenizer, opened.limits, opened.limits.max_draft_len,
+                   opened.acceptance, eos_token_ids=opened.eos_token_ids, method=method,
+                   ngram=ngram or info.ngram_settings())
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
 
@@ -157,14 +129,15 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         p = request.params
         return Sampling(p.temperature, p.top_k, p.top_p, step_seed(seed, step, role))
 
-    def _step(self, request: SpecRequest, k: int, seed: int, step: int) -> tuple[list[int], int, int, str | None]:
+    def _step(self, request: SpecRequest, k: int, seed: int, step: int
+              ) -> tuple[list[int], int, int, Method | None]:
         """One draft-and-verify step; returns (tokens to append, draft tokens proposed, draft tokens accepted,
         the proposer)."""
         seq = request.sequence
         use_logits = self.acceptance == "rejection" and request.params.temperature > 0
-        proposer, draft_tokens = choose_proposal(request, k, self.ngram, self.cost_ratio)
+        proposer, draft_tokens = self._choose(request, k)
         draft_logits = None
-        if proposer == DRAFT:
+        if proposer == Method.DRAFT_MODEL:
             # Step 1: the draft proposes k tokens (it may stop early on EOS).
             out = self._timed("draft", k, lambda: self.draft.generate(
                 seq, k, self._sampling(request, seed, step, 0), want_logits=use_logits))
@@ -180,6 +153,15 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         # A recovered token never equals the rejected draft token, so the matching prefix is the accepted count.
         accepted = min(common_prefix(new_tokens, draft_tokens), len(draft_tokens))
         return new_tokens, len(draft_tokens), accepted, proposer if draft_tokens else None
+
+    def _choose(self, request: SpecRequest, k: int) -> tuple[Method | None, list[int]]:
+        """Who drafts this step, and a lookup's tokens (the proposers' rules, for one request)."""
+        lookup = [] if request.method == Method.DRAFT_MODEL else propose_ngram(
+            request.sequence, k, self.ngram.min_match, self.ngram.max_match)
+        if request.method == Method.NGRAM or (lookup and request.method == Method.NGRAM_DRAFT and prefer_lookup(
+                request, len(lookup), k, self.cost_ratio)):
+            return (Method.NGRAM, lookup) if lookup else (None, [])
+        return Method.DRAFT_MODEL, []
 
     def _target_only(self, request: SpecRequest, seed: int) -> StreamEvent:
         """K = 0 for the whole request: one engine call generates everything (the engine decodes in-flight)."""

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .sampling import sample_inverse_cdf
+
 PAD = -1
 
 
@@ -54,34 +56,47 @@ def accept_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[Tensor, 
 
 
 def accept_rejection(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Tensor,
-                     generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                     generator: torch.Generator | None = None, *, num_draft: Tensor | None = None,
+                     uniforms: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Modified rejection sampling (Leviathan et al. 2023; Chen et al. 2023): emitted tokens follow the target.
 
-    draft_tokens: [B, K] long, sampled from draft_probs;
+    draft_tokens: [B, K] long, sampled from draft_probs (PAD after a row's ``num_draft``);
     draft_probs:  [B, K, V], the draft distribution each draft token was sampled from;
-    target_probs: [B, K+1, V], the target distribution at each draft position plus one (for the bonus token).
+    target_probs: [B, K+1, V], the target distribution at each draft position plus one (for the bonus token);
+    num_draft:    [B] long, draft tokens per row (default K for every row);
+    uniforms:     [B, K+1] in [0, 1): row r's randomness, drawn by the caller from the row's own stream: columns
+                  0..num_draft[r]-1 judge its draft tokens, column num_draft[r] draws its recovered or bonus token
+                  (default: drawn here from ``generator``). Rows of one batch never share a draw.
 
     Draft token x at position i is kept with probability min(1, target(x) / draft(x)); a draft probability of 0
     counts as a rejection. At the first rejection the recovered token is drawn from
-    normalize(max(0, target - draft)); when all K are kept the bonus token is drawn from target_probs[:, K].
+    normalize(max(0, target - draft)); when all of a row's draft tokens are kept its bonus token is drawn from
+    the target at the next position.
     """
     batch, k = draft_tokens.shape
-    index = draft_tokens.unsqueeze(-1)  # [B, K, 1]
+    device = draft_probs.device
+    if num_draft is None:
+        num_draft = torch.full((batch,), k, dtype=torch.long, device=device)
+    if uniforms is None:
+        uniforms = torch.rand(batch, k + 1, generator=generator, device=device, dtype=draft_probs.dtype)
+    num_draft, uniforms = num_draft.to(device), uniforms.to(device)
+    drafted = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, K]
+    index = draft_tokens.to(device).clamp_min(0).unsqueeze(-1)  # [B, K, 1]; PAD columns are masked by drafted
     draft_p = draft_probs.gather(-1, index).squeeze(-1)  # [B, K]
     target_p = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, K]
-    uniform = torch.rand(batch, k, generator=generator, device=draft_probs.device, dtype=draft_p.dtype)
     # u < target/draft written without the division, so draft_p == 0 (rejected) and draft == target never NaN.
-    keep = (draft_p > 0) & (uniform * draft_p < target_p)  # [B, K]
+    keep = drafted & (draft_p > 0) & (uniforms[:, :k] * draft_p < target_p)  # [B, K]
     num_accepted = _prefix_length(keep)  # [B]
 
-    # The bonus position has no draft distribution: a zero row makes the residual equal to the target itself.
+    # A bonus position has no draft distribution: a zero row makes the residual equal to the target itself.
     draft_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
-    rows = torch.arange(batch, device=draft_probs.device)
+    draft_padded = draft_padded * (num_accepted < num_draft)[:, None, None]  # all kept: the next one is a bonus
+    rows = torch.arange(batch, device=device)
     target_at = target_probs[rows, num_accepted]  # [B, V]
     residual = (target_at - draft_padded[rows, num_accepted]).clamp_min(0)  # [B, V]
     mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
     # A zero residual only arises when the rejected token had draft probability 0 and the rest matched: the target
     # distribution is then the right one to draw from.
     final = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), target_at)
-    extra = torch.multinomial(final, 1, generator=generator).squeeze(1)  # [B]
-    return _assemble(draft_tokens, num_accepted, extra), num_accepted
+    extra = sample_inverse_cdf(final, uniforms[rows, num_draft])  # [B]
+    return _assemble(draft_tokens.to(device), num_accepted, extra), num_accepted

@@ -59,3 +59,15 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """probs: [N, V] -> one token per row [N] (long)."""
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def sample_inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """probs: [N, V], uniforms: [N] in [0, 1) -> one token per row [N] (long): the token whose cumulative
+    probability interval holds the uniform, so a caller that draws the uniforms itself (one stream per request)
+    samples a whole batch in one call. Tokens of probability 0 are never chosen."""
+    cdf = probs.float().cumsum(-1)  # [N, V]
+    target = uniforms.float()[:, None] * cdf[:, -1:]  # [N, 1]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)  # [N]
+    # Rounding can put the target at the very top: take the last token that has probability.
+    last = probs.shape[-1] - 1 - (probs.flip(-1) > 0).long().argmax(-1)  # [N]
+    return torch.minimum(tokens, last)

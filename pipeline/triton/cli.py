@@ -7,6 +7,8 @@ import sys
 import time
 from pathlib import Path
 
+from ..methods import Method
+
 
 def add_triton_parsers(sub, common) -> None:
     p = sub.add_parser("deploy", help="engines -> Triton model repository in engines/<name>/triton/")
@@ -37,8 +39,8 @@ def cmd_deploy(args) -> int:
     print(f"deploy {result.status}: {result.path} ({', '.join(result.manifest.get('models', []))})")
     if config.backend == "trtllm":
         print(f"launch in the TensorRT-LLM container with {result.path / 'launch.sh'} (see its README.md)")
-        if config.speculative.method != "draft_model":
-            print(f"note: speculative.method {config.speculative.method!r}: on Triton the TensorRT-LLM layout "
+        if config.speculative.method != Method.DRAFT_MODEL:
+            print(f"note: speculative.method {config.speculative.method.value!r}: on Triton the TensorRT-LLM layout "
                   f"drafts with the draft engine only (tensorrt_llm_bls); n-gram proposals on TensorRT-LLM run "
                   f"through the Python executor (`python -m pipeline run`)")
     return 0

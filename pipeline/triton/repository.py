@@ -14,6 +14,7 @@ from ..layout import Layout
 from ..artifacts import StageResult, read_manifest, run_stage, sha256_file
 from ..config import PipelineConfig
 from ..errors import ConfigError, EngineError
+from ..methods import Method
 from . import torch_repo, trtllm_repo
 
 
@@ -60,7 +61,7 @@ def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
             written = torch_repo.write_torch_repository(tmp, config, plan.engines_root)
             return {"models": [p.name for p in written]}
     else:
-        if config.speculative.method == "ngram":
+        if config.speculative.method == Method.NGRAM:
             raise ConfigError("speculative.method: 'ngram' cannot be served by the tensorrtllm_backend layout, "
                               "whose tensorrt_llm_bls drafts with a draft engine; run n-gram on TensorRT-LLM "
                               "through the Python executor (`python -m pipeline run`), or use backend: torch to "

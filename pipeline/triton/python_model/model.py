@@ -4,7 +4,7 @@ Copied into the model repository as ``<model>/1/model.py`` by ``python -m pipeli
 parameter ``role`` says which part this instance plays:
 
 - ``engine`` (model ``speculative_stream``, decoupled): loads the executor once and runs its engine on a background
-  thread (pipeline.executor.serving.EngineLoop). execute() only parses and submits, so every concurrent request,
+  thread (pipeline.executor.serving_loop.ServingLoop). execute() only parses and submits, so every concurrent request,
   from any client, shares the same draft and verify forwards (in-flight batching). One response per target step;
   a client that cancels or disconnects frees its slot within a step.
 - ``proxy`` (model ``speculative``, one response per request): a thin instance, several in parallel, that forwards
@@ -62,8 +62,8 @@ class TritonPythonModel:
         if params["pipeline_root"] not in sys.path:
             sys.path.insert(0, params["pipeline_root"])
         from pipeline.executor import RequestError, SpeculativeExecutor
-        from pipeline.executor.proposers import NgramSettings
-        from pipeline.executor.serving import EngineLoop
+        from pipeline.methods import NgramSettings
+        from pipeline.executor.serving_loop import ServingLoop
         from pipeline.triton.request_inputs import parse_request
 
         self.RequestError = RequestError
@@ -71,8 +71,9 @@ class TritonPythonModel:
         self.executor = SpeculativeExecutor.from_engines(
             params["engines_dir"], device=params.get("device") or None,
             adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
-            method=params.get("method") or "draft_model",
-            ngram=NgramSettings(int(params.get("ngram_min_match") or 1), int(params.get("ngram_max_match") or 4)))
+            method=params.get("method") or None,
+            ngram=NgramSettings(int(params["ngram_min_match"]), int(params["ngram_max_match"]))
+            if "ngram_min_match" in params else None)
         self.k_limit = self.executor.draft_len_limit or self.executor.max_draft_len
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
@@ -82,7 +83,7 @@ class TritonPythonModel:
         self.outbox = queue.SimpleQueue()
         self.sender_thread = threading.Thread(target=self._send_loop, name="responses", daemon=True)
         self.sender_thread.start()
-        self.loop = EngineLoop(self.executor.engine, on_step=self._on_step)
+        self.loop = ServingLoop(self.executor.engine, on_step=self._on_step)
 
     def finalize(self):
         if self.role == "engine":

@@ -1,6 +1,6 @@
-"""Drive the batched engine from a background thread for a server: submit, cancel, per-request events.
+"""Drive the batching engine from a background thread for a server: submit, cancel, per-request events.
 
-Server threads (Triton's execute, a test's clients) call :meth:`EngineLoop.submit` and :meth:`EngineLoop.cancel`;
+Server threads (Triton's execute, a test's clients) call :meth:`ServingLoop.submit` and :meth:`ServingLoop.cancel`;
 the loop thread alone touches the engine. Between steps it takes in new requests and cancellations and asks each
 running request's ``is_cancelled`` (e.g. Triton's ``response_sender.is_cancelled``), so a client that went away
 frees its slot within one step. Each request's events reach its ``on_event(event)`` callback, on the loop thread;
@@ -28,7 +28,7 @@ class _Entry:
     key: str | None
 
 
-class EngineLoop:
+class ServingLoop:
     def __init__(self, engine, on_step: Callable[[int, int], None] | None = None):
         """``on_step(running, waiting)`` is called after every step (metrics)."""
         self.engine = engine

@@ -1,4 +1,9 @@
-"""Read engine folders (engine.json + manifest) into typed metadata, and load torch-backend engines as HF models."""
+"""engine.json, the description every backend's build writes beside its engine files, read and written here only.
+
+It holds what the executor, `deploy` and `bench` need to know about a built engine without loading it: the limits
+it was built for, its dtype, and the drafting method and lookup settings of the config it was built from (a method
+swap rebuilds nothing, so this is the method at build time; ``from_engines`` follows it unless told otherwise).
+"""
 
 from __future__ import annotations
 
@@ -6,11 +11,11 @@ import json
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
-from ..artifacts import read_manifest, verify_outputs
-from ..config import ModelSpec
-from ..errors import EngineError
-from ..layout import Layout
-from ..models import ResolvedModel, load_causal_lm
+from .artifacts import read_manifest, verify_outputs
+from .config import PipelineConfig
+from .errors import EngineError
+from .layout import Layout
+from .methods import Method, NgramSettings
 
 ENGINE_FILE = "engine.json"  # written by every backend's build beside its engine files
 
@@ -28,6 +33,8 @@ class EngineInfo:
     max_seq_len: int
     max_draft_len: int  # K the engine verifies (0 for a draft)
     acceptance: str = "rejection"
+    method: str | None = None  # speculative.method at build time (None: built before engine.json recorded it)
+    ngram: dict | None = None  # speculative.ngram at build time
     architecture: str | None = None
     vocab_size: int | None = None
     # Backend-specific facts (trtllm: tp, pp, trtllm_version, gather_generation_logits, KV-cache settings,
@@ -57,11 +64,32 @@ class EngineInfo:
         return getattr(self, key, default)
 
 
-def load_engine_model(folder: Path, info: EngineInfo):
-    """Returns (model, ResolvedModel of the folder). The engine folder always holds safetensors weights."""
-    spec = ModelSpec(model=str(folder), dtype=info.dtype)
-    resolved = ResolvedModel(info.role, spec, folder, "local", None)
-    return load_causal_lm(resolved, info.dtype), resolved
+    def built_method(self, has_draft_engine: bool) -> Method:
+        """The drafting method the engines were built for (older folders: a draft engine means draft_model)."""
+        if self.method is not None:
+            return Method(self.method)
+        return Method.DRAFT_MODEL if has_draft_engine else Method.NGRAM
+
+    def ngram_settings(self) -> NgramSettings:
+        return NgramSettings(**self.ngram) if self.ngram else NgramSettings()
+
+
+def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
+    """The engine.json fields every backend writes (backends add their own facts)."""
+    build, speculative = config.build, config.speculative
+    return {
+        "backend": backend, "role": role, "config_name": config.name, "dtype": getattr(config, role).dtype,
+        "max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
+        "max_seq_len": build.max_seq_len,
+        # Only the target verifies; the draft needs no spec mode, like TensorRT-LLM's draft engine.
+        "max_draft_len": speculative.max_draft_len if role == "target" else 0,
+        "acceptance": speculative.acceptance,
+        "method": speculative.method.value, "ngram": speculative.ngram.model_dump(),
+    }
+
+
+def write_engine_info(out_dir: Path, info: dict) -> None:
+    (Path(out_dir) / ENGINE_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def read_engine(root: Path, role: str) -> EngineInfo:

@@ -1,0 +1,50 @@
+"""Proposers: one module per way of drafting, registered here by the method that names it.
+
+A new proposer is a module with a :class:`~.base.Proposer` subclass plus one entry in ``REGISTRY`` (a factory that
+takes the engine's ProposerContext and the proposers built before it, and returns None where it cannot run, e.g.
+the draft model without a draft runner).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ...methods import Method
+from .base import Proposer, ProposerContext
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+from .ngram_or_draft import CostRatio, NgramOrDraftProposer, prefer_lookup
+
+
+def _draft_model(context: ProposerContext, built: dict) -> Proposer | None:
+    return DraftModelProposer(context) if context.draft_runner is not None else None
+
+
+def _ngram(context: ProposerContext, built: dict) -> Proposer | None:
+    return NgramProposer(context)
+
+
+def _ngram_or_draft(context: ProposerContext, built: dict) -> Proposer | None:
+    if Method.DRAFT_MODEL not in built:
+        return None
+    return NgramOrDraftProposer(built[Method.NGRAM], built[Method.DRAFT_MODEL], context.cost_ratio)
+
+
+# In dependency order: a factory sees the proposers registered above it.
+REGISTRY: dict[Method, Callable[[ProposerContext, dict], Proposer | None]] = {
+    Method.DRAFT_MODEL: _draft_model,
+    Method.NGRAM: _ngram,
+    Method.NGRAM_DRAFT: _ngram_or_draft,
+}
+
+
+def build_proposers(context: ProposerContext) -> dict[Method, Proposer]:
+    built: dict[Method, Proposer] = {}
+    for method, factory in REGISTRY.items():
+        proposer = factory(context, built)
+        if proposer is not None:
+            built[method] = proposer
+    return built
+
+
+__all__ = ["CostRatio", "Proposer", "ProposerContext", "REGISTRY", "build_proposers", "prefer_lookup"]

@@ -1,0 +1,52 @@
+"""The proposer interface: who drafts a row's tokens in one engine step.
+
+The engine asks each row's proposer (the one its request's method names) three things, in order:
+  limit   the most tokens it could propose for the row at the row's own K (the K policy prices the verify with it);
+  route   which proposer drafts the row this step: itself, another (a chooser such as ngram+draft), or None for a
+          plain step;
+  propose draft for all the rows routed to it at once (one batched forward for a model), writing each row's tokens
+          and, for sampled rows, their distributions into the StepBatch.
+The verifier never learns who drafted: it sees draft tokens and distributions only.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ...methods import Method, NgramSettings
+from ..step_batch import StepBatch
+
+
+@dataclass
+class ProposerContext:
+    """What a proposer may use: the engine's draft runner (None without a draft model), ids both models have,
+    where tensors live, the lookup settings, the measured cost of a draft position relative to a verify, and a
+    callback that records a draft forward's (rows, seconds) for the K policy."""
+
+    draft_runner: object | None
+    vocab_size: int
+    device: torch.device
+    ngram: NgramSettings
+    cost_ratio: Callable[[], float]
+    record_draft: Callable[[int, float], None]
+
+
+class Proposer(ABC):
+    method: Method  # what the statistics record for the tokens it drafts
+    uses_model: bool = False  # it runs draft forwards (the K policy adds their cost)
+
+    def limit(self, batch: StepBatch, row: int, k: int) -> int:
+        """The most tokens this proposer would draft for ``row`` with a budget of ``k``."""
+        return k
+
+    def route(self, batch: StepBatch, row: int) -> Proposer | None:
+        """Who drafts ``row`` this step (its budget is batch.k[row] > 0)."""
+        return self
+
+    @abstractmethod
+    def propose(self, batch: StepBatch, rows: list[int]) -> None:
+        """Draft up to batch.k[row] tokens for each of ``rows`` and :meth:`StepBatch.put` them."""

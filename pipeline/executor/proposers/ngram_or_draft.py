@@ -1,0 +1,61 @@
+"""``ngram+draft``: per step and per request, the n-gram lookup or the draft model, whichever promises more.
+
+The comparison is expected emitted tokens per unit of cost: a lookup costs no model forward (only the verify), the
+draft model costs K draft forwards of c verify-forwards each. Each proposer's acceptance is the request's own
+(an AcceptanceEstimate per proposer, see pipeline.executor.acceptance), so a request whose output copies its prompt drifts
+to lookups and one that does not drifts to the draft model. Both executors choose with :func:`prefer_lookup`.
+"""
+
+from __future__ import annotations
+
+from ...methods import Method
+from ...speculative.analytic import expected_tokens_per_step
+from ..request import SpecRequest
+from ..step_batch import StepBatch
+from .base import Proposer
+from .draft_model import DraftModelProposer
+from .ngram import NgramProposer
+
+
+class CostRatio:
+    """c: one draft position over one verify, as measured (running means; 0.25 until both ran). Both executors
+    keep one; the ngram+draft choice prices the draft model with it."""
+
+    def __init__(self):
+        self._seconds = {"draft": 0.0, "target": 0.0}
+
+    def record(self, role: str, seconds: float) -> None:
+        mean = self._seconds[role]
+        self._seconds[role] = seconds if mean == 0 else 0.9 * mean + 0.1 * seconds
+
+    @property
+    def value(self) -> float:
+        draft, target = self._seconds["draft"], self._seconds["target"]
+        return draft / target if draft > 0 and target > 0 else 0.25
+
+
+def prefer_lookup(request: SpecRequest, lookup_len: int, k: int, cost_ratio: float) -> bool:
+    """Whether a found lookup of ``lookup_len`` tokens beats drafting ``k`` with the model (c = ``cost_ratio``)."""
+    lookup_rate = request.acceptance(Method.NGRAM).rate
+    draft_rate = request.acceptance(Method.DRAFT_MODEL).rate
+    gain_lookup = expected_tokens_per_step(lookup_rate, lookup_len)
+    gain_draft = expected_tokens_per_step(draft_rate, k) / (1 + k * cost_ratio)
+    return gain_lookup >= gain_draft
+
+
+class NgramOrDraftProposer(Proposer):
+    method = Method.NGRAM_DRAFT
+    uses_model = True  # the draft's cost bounds what the row's step can cost
+
+    def __init__(self, ngram: NgramProposer, draft: DraftModelProposer, cost_ratio):
+        self.ngram, self.draft, self.cost_ratio = ngram, draft, cost_ratio
+
+    def route(self, batch: StepBatch, row: int) -> Proposer | None:
+        k = batch.k[row]
+        lookup = self.ngram.lookup(batch, row, k)
+        if lookup and prefer_lookup(batch.requests[row], len(lookup), k, self.cost_ratio()):
+            return self.ngram
+        return self.draft
+
+    def propose(self, batch: StepBatch, rows: list[int]) -> None:
+        raise AssertionError("ngram+draft routes every row to the lookup or the draft model")

@@ -1,0 +1,61 @@
+"""What one engine step drafted, handed from the proposers to the verify.
+
+The proposers fill it row by row (:meth:`StepBatch.put`); :meth:`StepBatch.seal` lays the proposals out as the
+padded tensors the verify and the accept rule take. A row that drafts nothing this step (K = 0, or a lookup that
+found no match) has ``num_draft`` 0: its verify is a plain decoding step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..methods import Method
+from ..speculative.accept import PAD
+from .request import SpecRequest
+
+
+@dataclass
+class StepBatch:
+    requests: list[SpecRequest]  # [B] the running rows, in slot order
+    k: list[int] = field(default_factory=list)  # [B] draft budget of each row this step, after the batch's K cap
+    proposals: list[list[int]] = field(default_factory=list)  # [B][num_draft] each row's draft tokens
+    proposal_probs: list[Tensor | None] = field(default_factory=list)  # [B] [num_draft, V] for sampled rows, else None
+    proposer: list[Method | None] = field(default_factory=list)  # [B] who drafted each row (None: a plain step)
+    lookups: dict[int, list[int]] = field(default_factory=dict)  # row -> the n-gram match found this step
+    # Laid out by seal():
+    draft_tokens: Tensor | None = None  # [B, K] long, PAD after a row's own proposals; K = the widest row's count
+    num_draft: Tensor | None = None  # [B] long
+    draft_probs: Tensor | None = None  # [B, K, V] zeros after a row's proposals; None when no row samples
+    # Set by the verify:
+    first_logit: Tensor | None = None  # [B] long: where in the verify's logits row r's draft token 0 is judged
+
+    def __post_init__(self):
+        rows = len(self.requests)
+        self.proposals = [[] for _ in range(rows)]
+        self.proposal_probs = [None] * rows
+        self.proposer = [None] * rows
+
+    def put(self, row: int, tokens: list[int], probs: Tensor | None, proposer: Method) -> None:
+        """Row ``row``'s proposal: ``tokens`` (at most k[row]) and, for a sampled row, the [len(tokens), V]
+        distributions they were drawn from."""
+        if tokens:
+            self.proposals[row] = tokens
+            self.proposal_probs[row] = probs
+            self.proposer[row] = proposer
+
+    def seal(self, vocab: int, device: torch.device) -> None:
+        rows = len(self.requests)
+        width = max((len(tokens) for tokens in self.proposals), default=0)
+        self.num_draft = torch.tensor([len(tokens) for tokens in self.proposals], dtype=torch.long)
+        self.draft_tokens = torch.full((rows, width), PAD, dtype=torch.long)
+        for row, tokens in enumerate(self.proposals):
+            self.draft_tokens[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        if all(request.params.greedy for request in self.requests):
+            return
+        self.draft_probs = torch.zeros(rows, width, vocab, device=device)
+        for row, probs in enumerate(self.proposal_probs):
+            if probs is not None:
+                self.draft_probs[row, :probs.shape[0]] = probs
