@@ -11,7 +11,7 @@
 
 `bench-serve` (concurrent clients against the engine and a real tritonserver):
   request_timing  one request's timing as its client saw it; a load's timings -> rates and percentiles
-  serve_clients   the clients: EngineLoop in this process, Triton HTTP, Triton gRPC stream
+  serve_clients   the clients: ServingLoop in this process, Triton HTTP, Triton gRPC stream
   load_generator  one load: C client threads, N requests (optionally one at a time)
   serve_matrix    modes x paths x concurrency, rounds interleaved, each cell's best; ratios between modes
   hf_baseline     batch-1 target-only against Hugging Face generate

@@ -7,7 +7,7 @@ from .measure import hf_sample, stream_sample
 
 def batch1_target_vs_hf(executor, prompts: list[list[int]], max_tokens: int, rounds: int) -> dict:
     """Our target-only (max_draft_len=0) vs HF generate greedy at batch 1 on the same prompts, rounds interleaved,
-    best round of each. Runs on ``executor``'s engine directly: call it while no EngineLoop drives that engine."""
+    best round of each. Runs on ``executor``'s engine directly: call it while no ServingLoop drives that engine."""
     target = executor.target.model
     pad = getattr(executor.tokenizer, "pad_token_id", None)
     methods = {"target": lambda ids: stream_sample(executor, ids, max_tokens, 0),

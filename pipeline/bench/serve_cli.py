@@ -1,6 +1,6 @@
 """`python -m pipeline bench-serve CONFIG`: serving throughput and latency under concurrent clients.
 
-For every path (serve_clients: the Python engine behind EngineLoop; the real tritonserver over HTTP and over a gRPC
+For every path (serve_clients: the Python engine behind ServingLoop; the real tritonserver over HTTP and over a gRPC
 stream) and concurrency C, C client threads send their share of N greedy requests, one after another, in each
 mode (serve_matrix); cells are interleaved over rounds and each keeps its best. Also measured, before the engine
 serves anything: at batch 1 on the same prompts, our target-only decoding against Hugging Face ``generate`` greedy
@@ -59,7 +59,7 @@ def cmd_bench_serve(args) -> int:
     from ..config import load_config
     from ..errors import PipelineError
     from ..executor import SpeculativeExecutor
-    from ..executor.serving import EngineLoop
+    from ..executor.serving_loop import ServingLoop
     from ..run_cmd import proposer_options
     from .hf_baseline import batch1_target_vs_hf
     from .prompts import load_prompt_set, pair_seed_of
@@ -89,13 +89,13 @@ def cmd_bench_serve(args) -> int:
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])
 
     batch1 = None
-    if options.hf_rounds:  # before the EngineLoop exists: it runs on the executor's engine directly
+    if options.hf_rounds:  # before the ServingLoop exists: it runs on the executor's engine directly
         batch1 = batch1_target_vs_hf(executor, prompts, options.max_tokens, options.hf_rounds)
         print(f"batch 1, target only: ours {batch1['target_tokens_per_s']:.1f} tok/s, HF generate "
               f"{batch1['hf_target_tokens_per_s']:.1f} tok/s ({batch1['target_vs_hf']:.2f}x)")
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
-    loop = EngineLoop(executor.engine)
+    loop = ServingLoop(executor.engine)
     clients: dict[str, Callable[[], object]] = {"engine": lambda: EngineClient(executor, loop)}
     server = None
     try:

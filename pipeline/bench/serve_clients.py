@@ -1,7 +1,7 @@
 """The bench-serve clients, one per path; a client belongs to one thread, and send(prompt_ids, max_tokens, k)
 blocks until its request completed and returns the request's RequestTiming.
 
-  engine         EngineClient: an EngineLoop in this process; every step's tokens are timed as they are emitted
+  engine         EngineClient: a ServingLoop in this process; every step's tokens are timed as they are emitted
   triton         TritonHttpClient: tritonclient HTTP against the request/response model ``speculative``; no
                  per-token arrival, so TTFT is not measured and ITL is the request's time spread over its tokens
   triton_stream  TritonStreamClient: tritonclient gRPC stream against the decoupled ``speculative_stream``; every
@@ -20,7 +20,7 @@ STAT_OUTPUTS = ("draft_tokens", "accepted_tokens", "target_steps")  # the reques
 
 
 class EngineClient:
-    """A client of an EngineLoop in this process; events are timed on the loop thread as they are emitted."""
+    """A client of a ServingLoop in this process; events are timed on the loop thread as they are emitted."""
 
     def __init__(self, executor, loop):
         self.executor, self.loop = executor, loop
