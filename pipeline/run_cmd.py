@@ -67,6 +67,10 @@ def read_chats(chats: list[str], messages_file: Path | None, system: str | None)
             PromptItem(None, [turn, *item.messages], item.set, item.where) for item in found]
 
 
+CLI_NAMES = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
+             "top_p": "--top-p", "seed": "--seed", "max_draft_len": "--max-draft-len"}
+
+
 def proposer_options(config) -> dict:
     """from_engines keywords for the config's drafting method (a method swap rebuilds nothing, so the config's
     current one, not the one recorded at build time)."""
@@ -94,12 +98,11 @@ def cmd_run(args) -> int:
     from .config import load_config
     from .executor import GenerationStats
 
-    from .triton.request_inputs import check_generation_values
+    from .executor.request_values import validate_request
 
-    # The server's rules, checked before anything loads (the executor alone would take temperature inf).
-    check_generation_values(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, names={
-        "max_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-        "seed": "--seed"})
+    # The executor's rules, checked before anything loads, named as the flags are spelled.
+    validate_request(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.max_draft_len,
+                     names=CLI_NAMES)
     config = load_config(args.config)
     chats = read_chats(args.chat, args.messages, args.system)
     if args.system is not None and not chats:

@@ -21,9 +21,9 @@ def _one_error_line(result) -> str:
     ("--temperature", "nan", "--temperature: nan must be a finite number >= 0"),
     ("--temperature", "-1", "--temperature: -1.0 must be a finite number >= 0"),
     ("--top-p", "0", "--top-p: 0.0 must be in (0, 1]"),
-    ("--top-k", "-2", "--top-k: -2 must be >= 0"),
+    ("--top-k", "-2", "--top-k: -2 must be an integer >= 0"),
     ("--seed", str(2 ** 64), f"--seed: {2 ** 64} must be an integer in [0, 2**64)"),
-    ("--max-new-tokens", "-1", "--max-new-tokens: -1 must be >= 1"),
+    ("--max-new-tokens", "-1", "--max-new-tokens: -1 must be an integer >= 0"),
 ])
 def test_run_refuses_what_the_server_refuses(tmp_path, option, value, expected):
     # the engines folder does not even exist: the values are refused before anything is loaded

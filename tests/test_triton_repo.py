@@ -233,7 +233,7 @@ def test_parse_request_defaults_and_values():
     (dict(text_input=[[b"x"]], max_tokens=np.array([[1]], np.int32), top_k=np.array([[-2]], np.int32)),
      "top_k: -2"),
     (dict(text_input=[[b"x"]], max_tokens=np.array([[1]], np.int32), num_draft_tokens=np.array([[9]], np.int32)),
-     "num_draft_tokens: 9 must be between 0 .* and 4"),
+     "num_draft_tokens: 9 is larger than the 4 the target engine was built for"),
     (dict(text_input=[[b"a"], [b"b"]], max_tokens=np.array([[1]], np.int32)), "text_input: expected one string"),
     (dict(text_input=[[b"x"]], max_tokens=np.array([[1.5]], np.float32)), "max_tokens: dtype float32"),
     (dict(text_input=[[b"\xff"]], max_tokens=np.array([[1]], np.int32)), "text_input: not valid UTF-8"),

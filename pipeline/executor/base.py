@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from ..methods import Method, parse_method
-from .limits import check_request
-from .request import DraftLen, SpecRequest, make_generator, parse_draft_len, sampling_params
+from .request import SpecRequest, make_generator
+from .request_values import DraftLen, check_prompt, validate_request
 from .results import GenerationResult, RequestError, StreamEvent
 from .text import Prompt, TokenizerIO
 
@@ -85,17 +85,14 @@ class ExecutorBase(TokenizerIO):
                     stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
                     method: str | None = None) -> SpecRequest:
         """A checked request; raises RequestError naming the value and the fix."""
-        params = sampling_params(temperature, top_k, top_p)
         method = parse_method(method or self.method, self.has_draft_model, error=RequestError)
-        plan = parse_draft_len(max_draft_len, self.max_draft_len)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise RequestError(f"max_new_tokens: {max_new_tokens!r} must be an int >= 0")
+        values = validate_request(max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
+                                  default_k=self.max_draft_len, draft_len_limit=self.draft_len_limit)
         ids = self.encode(prompt)
-        check_request(ids, max_new_tokens, plan.k_max, has_draft=self.has_draft,
-                      draft_len_limit=self.draft_len_limit, max_input_len=self.max_input_len,
-                      max_seq_len=self.max_seq_len, vocab_size=self.vocab_size)
+        check_prompt(ids, max_new_tokens, max_input_len=self.max_input_len, max_seq_len=self.max_seq_len,
+                     vocab_size=self.vocab_size)
         eos = frozenset(self.eos_token_ids)
-        request = SpecRequest(ids, max_new_tokens, params, plan, make_generator(seed, self.device),
+        request = SpecRequest(ids, max_new_tokens, values.sampling, values.draft, make_generator(seed, self.device),
                               seeded=seed is not None, stop_ids=eos | frozenset(int(t) for t in stop_token_ids or ()),
                               eos_ids=eos, decode=self.decode if with_text else None, seed=seed,
                               method=method)

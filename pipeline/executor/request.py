@@ -16,34 +16,10 @@ import torch
 from ..methods import Method
 from ..speculative import SamplingParams
 from .acceptance import PROPOSER_PRIOR, AcceptanceEstimate
-from .results import GenerationResult, GenerationStats, RequestError, StreamEvent, checked_sampling
+from .request_values import DraftPlan
+from .results import GenerationResult, GenerationStats, StreamEvent
 
 _ids = itertools.count()
-
-DraftLen = int | str | None  # an int K >= 0, "auto" (dynamic K) or None (the executor's K)
-
-
-@dataclass(frozen=True)
-class DraftPlan:
-    """How many tokens a request drafts per step."""
-
-    k_max: int  # upper bound (and the fixed K when not dynamic)
-    dynamic: bool = False  # follow the observed acceptance (next_draft_len) within 1..k_max
-    explicit: bool = False  # the caller named K: the engine drafts exactly that, never a lower batch-wide cap
-
-
-def parse_draft_len(max_draft_len: DraftLen, default: int) -> DraftPlan:
-    """The request's K: an int >= 0, "auto" (dynamic, up to ``default``) or None (``default``)."""
-    if max_draft_len is None:
-        return DraftPlan(default)
-    if isinstance(max_draft_len, str):
-        if max_draft_len == "auto":
-            return DraftPlan(default, dynamic=default > 0)
-        raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
-    if isinstance(max_draft_len, bool) or not isinstance(max_draft_len, int):
-        raise RequestError(f"max_draft_len: {max_draft_len!r} must be an int >= 0, None or 'auto'")
-    return DraftPlan(int(max_draft_len), explicit=True)
-
 
 def next_draft_len(current: int, drafted: int, accepted: int, limit: int) -> int:
     """Dynamic K: lengthen after a fully accepted step, shorten after a rejection (within 1..limit).
@@ -57,13 +33,11 @@ def next_draft_len(current: int, drafted: int, accepted: int, limit: int) -> int
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
-    """A request's own random stream: its samples never depend on other requests in the batch."""
+    """A request's own random stream (``seed`` already validated): its samples never depend on other requests."""
     generator = torch.Generator(device=device)
     if seed is None:
         generator.seed()
     else:
-        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 64:
-            raise RequestError(f"seed: {seed!r} must be an integer in [0, 2**64)")
         generator.manual_seed(seed)
     return generator
 
@@ -172,7 +146,3 @@ class SpecRequest:
     def result(self, text_of) -> GenerationResult:
         return GenerationResult(list(self.generated), text_of(self.generated), self.stats,
                                 self.finish_reason or "length", prompt_tokens=len(self.prompt_ids))
-
-
-def sampling_params(temperature: float, top_k: int, top_p: float) -> SamplingParams:
-    return checked_sampling(temperature, top_k, top_p)

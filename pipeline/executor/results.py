@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from collections.abc import Iterable
-
 from ..errors import PipelineError
-from ..speculative import SamplingParams
 
 
 class RequestError(PipelineError, ValueError):
@@ -129,22 +126,3 @@ class StreamEvent:
     finished: bool
     finish_reason: str | None
     stats: GenerationStats  # running totals for this request
-
-
-def checked_sampling(temperature: float, top_k: int, top_p: float) -> SamplingParams:
-    """Sampling values from a request; a bad one is the request's fault, so it raises RequestError."""
-    try:
-        return SamplingParams(float(temperature), int(top_k), float(top_p))
-    except (ValueError, TypeError) as exc:
-        raise RequestError(str(exc)) from None
-
-
-def collect_result(events: Iterable[StreamEvent], text_of, prompt_tokens: int) -> GenerationResult:
-    """Gather one request's stream events into its result (both backends' generate() use this)."""
-    tokens: list[int] = []
-    event = None
-    for event in events:
-        tokens.extend(event.token_ids)
-    stats = event.stats if event else GenerationStats()
-    reason = event.finish_reason if event else "length"
-    return GenerationResult(tokens, text_of(tokens), stats, reason, prompt_tokens=prompt_tokens)

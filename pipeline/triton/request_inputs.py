@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..chat import Message, encode_chat, end_of_turn_ids, validate_messages
-from ..errors import short_repr
+from ..executor.request_values import MAX_NEW_TOKENS, validate_request
 from ..executor.results import RequestError
 
 # A prompt of max_input_len tokens is at most this many UTF-8 bytes per token: real tokenizers average 2-5 bytes
@@ -30,7 +30,8 @@ from ..executor.results import RequestError
 MAX_BYTES_PER_TOKEN = 32
 # The limit when the caller does not pass max_input_len: 32 bytes x 32768 tokens (1 MiB, about 2 s to tokenize).
 FALLBACK_MAX_INPUT_LEN = 32768
-INT32_MAX = 2**31 - 1
+# Triton's input names for the request values (the executor's names are the keys).
+TRITON_NAMES = {"max_new_tokens": "max_tokens", "max_draft_len": "num_draft_tokens"}
 
 PROMPT_INPUTS = ("text_input", "input_ids", "messages")  # a request sends exactly one of them
 GetInput = Callable[[str], "np.ndarray | None"]  # name -> the request's tensor, or None when absent
@@ -137,30 +138,6 @@ def _prompt(get: GetInput, max_input_len: int | None) -> tuple[str | list[int] |
     return [int(t) for t in ids.reshape(-1)], None
 
 
-def check_generation_values(max_tokens: int, temperature: float, top_k: int, top_p: float,
-                            seed: int | None = None, names: dict[str, str] | None = None) -> None:
-    """The value rules every request meets, shared by the server's parser and `run`'s flags (``names`` maps an
-    input name to what the caller calls it, such as ``--max-new-tokens``); raises RequestError."""
-    def name(key: str) -> str:
-        return (names or {}).get(key, key)
-
-    if max_tokens < 1:
-        # Triton's JSON parser stores a number above INT32_MAX into the INT32 tensor with its high bits cut off
-        wrapped = f"; a JSON value above {INT32_MAX} arrives wrapped around" if max_tokens < -1 else ""
-        raise RequestError(f"{name('max_tokens')}: {max_tokens} must be >= 1 (the number of tokens to generate, "
-                           f"at most {INT32_MAX}){wrapped}")
-    if max_tokens > INT32_MAX:
-        raise RequestError(f"{name('max_tokens')}: {max_tokens} must be at most {INT32_MAX}")
-    if not np.isfinite(temperature) or temperature < 0:
-        raise RequestError(f"{name('temperature')}: {temperature} must be a finite number >= 0 (0 = greedy)")
-    if top_k < 0:
-        raise RequestError(f"{name('top_k')}: {top_k} must be >= 0 (0 disables it)")
-    if not 0 < top_p <= 1:
-        raise RequestError(f"{name('top_p')}: {top_p} must be in (0, 1] (1 disables it)")
-    if seed is not None and not 0 <= seed < 2**64:
-        raise RequestError(f"{name('seed')}: {short_repr(seed)} must be an integer in [0, 2**64)")
-
-
 def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | None = None) -> GenerateArgs:
     """Validate one request; raises RequestError naming the input, the bad value and the fix.
 
@@ -176,10 +153,13 @@ def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | 
     top_p = _one(get, "top_p", "f")
     top_p = 1.0 if top_p is None else float(top_p)
     seed = _one(get, "seed", "iu")
-    check_generation_values(max_tokens, temperature, top_k, top_p, seed)
     k = _one(get, "num_draft_tokens", "iu")
-    if k is not None and not 0 <= k <= max_draft_len_limit:
-        raise RequestError(f"num_draft_tokens: {k} must be between 0 (target only) and {max_draft_len_limit}, "
-                           f"the K the target engine was built for")
+    try:
+        validate_request(max_tokens, temperature, top_k, top_p, seed, k, draft_len_limit=max_draft_len_limit,
+                         names=TRITON_NAMES)
+    except RequestError as exc:
+        if max_tokens < -1:  # Triton's JSON parser keeps only the low 32 bits of a number above INT32's range
+            raise RequestError(f"{exc}; a JSON value above {MAX_NEW_TOKENS} arrives wrapped around") from None
+        raise
     return GenerateArgs(prompt, int(max_tokens), temperature, top_k, top_p,
                         None if seed is None else int(seed), None if k is None else int(k), messages)
