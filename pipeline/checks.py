@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass, field
 
 from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
 from .dtypes import DtypeChoice, checkpoint_dtype, resolve_dtype, torch_device
-from .errors import CompatibilityError
+from .errors import CompatibilityError, short_repr
 from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights, weights_nonfinite
 
 # Architectures TensorRT-LLM 1.1's checkpoint converters handle for the draft-target path: the decoder-only
@@ -221,8 +222,6 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     elif "kv_cache" in config.build.model_fields_set:
         report.warnings.append("build.kv_cache: set, but only backend trtllm uses it; the torch backend keeps one KV "
                                "row per running request and recomputes every prompt (no block reuse)")
-    from .triton.server import bind_address_problem
-
     if problem := bind_address_problem(config.serve.bind_address):
         report.errors.append(problem)
     return report
@@ -244,3 +243,23 @@ def _check_parallel(config: PipelineConfig, target_cfg: dict, report: CheckRepor
         report.errors.append(f"build.parallel.pp: {par.pp} exceeds the target's {layers} layers")
     if config.build.quantization.mode == "fp8":
         report.warnings.append("quantization fp8 needs Hopper or Ada GPUs (sm89+)")
+
+
+def bind_address_problem(address: str) -> str | None:
+    """Why tritonserver cannot listen on ``address`` as configured, or None.
+
+    Triton 2.51 joins address and port as "host:port": for an IPv6 literal its gRPC service then fails ("'::1:8001'
+    already in use"), and the bracketed form binds HTTP to every address instead of the one named. So IPv6 is
+    refused here, by `check` and `serve`, rather than half-working or exposing the server.
+    """
+    try:
+        parsed = ipaddress.ip_address(address)
+    except ValueError:
+        if ":" in address or not address.strip():
+            return (f"serve.bind_address: {short_repr(address)} is not an IPv4 address or host name; use "
+                    f"127.0.0.1 (loopback, the default) or 0.0.0.0 to listen on every interface")
+        return None  # a host name: Triton resolves it
+    if parsed.version == 6:
+        return (f"serve.bind_address: {short_repr(address)} is IPv6, which tritonserver 2.51 cannot bind all "
+                f"three services to; use 127.0.0.1 (loopback, the default) or 0.0.0.0 and reach it over IPv4")
+    return None

@@ -3,8 +3,9 @@ API -> checkpoint, `trtllm-build` -> engine.
 
 tensorrt_llm is imported lazily: planning (`build --dry-run`) works anywhere, and every step that needs
 TensorRT-LLM or a GPU raises BackendUnavailable with one line saying what is missing and how to get it.
-Helpers live in trtllm_api (pinned facts, argv), trtllm_preflight (engine checks) and trtllm_loading (the engine
-runner over ModelRunnerCpp); the draft-target loop is pipeline.executor.trtllm_executor, shared contract and all.
+Helpers live in trtllm_api (pinned facts, argv), trtllm_preflight (engine checks), trtllm_runner (the engine
+runner over ModelRunnerCpp) and trtllm_loading (opening a built pair); the draft-target loop is
+pipeline.executor.trtllm_executor, shared contract and all.
 """
 
 from __future__ import annotations
@@ -24,10 +25,8 @@ from .trtllm_api import (PINNED_VERSION, TOKENIZER_DIR, build_argv, convert_call
 from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
 from .trtllm_preflight import (check_context_logits, check_target_spec_mode, raise_if_problems,
                                read_engine_config)
-from ..executor.trtllm_executor import TrtllmSpeculativeExecutor
 
-__all__ = ["convert_plan", "convert", "build_plan", "build", "engine_info", "TrtllmSpeculativeExecutor",
-           "PINNED_VERSION"]
+__all__ = ["convert_plan", "convert", "build_plan", "build", "engine_info", "PINNED_VERSION"]
 
 BUILD_LOG = "trtllm-build.log"
 

@@ -9,7 +9,6 @@ libpython (or none) and every Python model fails to load.
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import os
 import secrets
 import shutil
@@ -25,31 +24,12 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import BackendUnavailable, PipelineError, short_repr
+from ..checks import bind_address_problem
+from ..errors import BackendUnavailable, PipelineError
 
 
 class ServerError(PipelineError):
     """tritonserver did not start or did not become ready."""
-
-
-def bind_address_problem(address: str) -> str | None:
-    """Why tritonserver cannot listen on ``address`` as configured, or None.
-
-    Triton 2.51 joins address and port as "host:port": for an IPv6 literal its gRPC service then fails ("'::1:8001'
-    already in use"), and the bracketed form binds HTTP to every address instead of the one named. So IPv6 is
-    refused here, by `check` and `serve`, rather than half-working or exposing the server.
-    """
-    try:
-        parsed = ipaddress.ip_address(address)
-    except ValueError:
-        if ":" in address or not address.strip():
-            return (f"serve.bind_address: {short_repr(address)} is not an IPv4 address or host name; use "
-                    f"127.0.0.1 (loopback, the default) or 0.0.0.0 to listen on every interface")
-        return None  # a host name: Triton resolves it
-    if parsed.version == 6:
-        return (f"serve.bind_address: {short_repr(address)} is IPv6, which tritonserver 2.51 cannot bind all "
-                f"three services to; use 127.0.0.1 (loopback, the default) or 0.0.0.0 and reach it over IPv4")
-    return None
 
 
 @dataclass(frozen=True)
