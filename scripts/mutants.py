@@ -29,7 +29,8 @@ DEFAULT_TESTS = ["tests/test_sampling_e2e.py", "tests/test_accept.py"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
-ENGINE = "pipeline/executor/engine.py"
+ENGINE = "pipeline/executor/batching_engine.py"
+DRAFT = "pipeline/executor/proposers/draft_model.py"
 ACCEPT = "pipeline/speculative/accept.py"
 
 
@@ -44,23 +45,28 @@ class Mutant:
 
 MUTANTS = [
     Mutant("temperature_draft_only", ENGINE,
-           "target_probs = logits_to_probs(target_logits, request.params)  # [k+1, V]",
-           "target_probs = logits_to_probs(target_logits, type(request.params)(1.0, request.params.top_k, "
-           "request.params.top_p))",
+           "target_probs = torch.stack([logits_to_probs(judged[i], batch.requests[row].params)",
+           "target_probs = torch.stack([logits_to_probs(judged[i], type(batch.requests[row].params)(1.0, "
+           "batch.requests[row].params.top_k, batch.requests[row].params.top_p))",
            "temperature applied to the draft's distribution only (the target's stays at 1)"),
-    Mutant("temperature_target_only", ENGINE,
+    Mutant("temperature_target_only", DRAFT,
            "row_probs = logits_to_probs(logits[row, last][None], request.params)  # [1, V]",
            "row_probs = logits_to_probs(logits[row, last][None], type(request.params)(1.0, request.params.top_k, "
            "request.params.top_p))  # [1, V]",
            "temperature applied to the target's distribution only (the draft samples at 1)"),
-    Mutant("draft_probs_shifted", ENGINE,
-           "torch.cat(draft_probs)[None]",
-           "torch.cat(draft_probs[1:] + draft_probs[:1])[None]",
+    Mutant("draft_probs_shifted", DRAFT,
+           "batch.put(row, tokens[row], torch.cat(probs[row]) if probs[row] else None, self.method)",
+           "batch.put(row, tokens[row], torch.cat(probs[row][1:] + probs[row][:1]) if probs[row] else None, "
+           "self.method)",
            "draft position i is judged with the draft distribution of position i+1 (invisible when K = 1)"),
     Mutant("greedy_accept_argmax", ENGINE,
-           "output, num_accepted = accept_matching(drafted, sample(target_probs, request.generator)[None])",
-           "output, num_accepted = accept_matching(drafted, target_probs.argmax(-1)[None])",
+           "flat = sample_inverse_cdf(target_probs.flatten(0, 1), uniforms.flatten())  # [s * (K+1)]",
+           "flat = target_probs.flatten(0, 1).argmax(-1)  # [s * (K+1)]",
            "'greedy' acceptance under sampling compares draft tokens with the target's argmax, not its sample"),
+    Mutant("row_draws_shared", ENGINE,
+           "uniforms[i, :drawn] = torch.rand(drawn, generator=request.generator,",
+           "uniforms[i, :drawn] = torch.rand(drawn, generator=batch.requests[chosen[0]].generator,",
+           "every sampled row draws from the first sampled row's generator (results depend on the batch)"),
     Mutant("bonus_from_draft", ACCEPT,
            "target_at = target_probs[rows, num_accepted]  # [B, V]",
            "target_at = torch.cat([target_probs[:, :k], draft_probs[:, -1:]], 1)[rows, num_accepted]  # [B, V]",
@@ -70,10 +76,17 @@ MUTANTS = [
            "residual = target_at.clamp_min(0)  # [B, V]",
            "the recovered token is drawn from the target instead of normalize(max(0, target - draft))"),
     Mutant("shared_uniform", ACCEPT,
-           "uniform = torch.rand(batch, k, generator=generator, device=draft_probs.device, dtype=draft_p.dtype)",
-           "uniform = torch.rand(batch, 1, generator=generator, device=draft_probs.device, "
-           "dtype=draft_p.dtype).expand(batch, k)",
+           "keep = drafted & (draft_p > 0) & (uniforms[:, :k] * draft_p < target_p)  # [B, K]",
+           "keep = drafted & (draft_p > 0) & (uniforms[:, :1] * draft_p < target_p)  # [B, K]",
            "one uniform shared by all K positions of a sequence"),
+    Mutant("extra_reuses_judging_draw", ACCEPT,
+           "extra = sample_inverse_cdf(final, uniforms[rows, num_draft])  # [B]",
+           "extra = sample_inverse_cdf(final, uniforms[rows, num_accepted])  # [B]",
+           "the recovered token reuses the uniform that rejected the draft token (correlated, biased)"),
+    Mutant("padding_judged_as_draft", ACCEPT,
+           "keep = drafted & (draft_p > 0) & (uniforms[:, :k] * draft_p < target_p)  # [B, K]",
+           "keep = (draft_p > 0) & (uniforms[:, :k] * draft_p < target_p)  # [B, K]",
+           "positions past a row's own draft tokens (padding) are judged as if drafted"),
     Mutant("accepted_len_plus_one", ACCEPT,
            "num_accepted = _prefix_length(keep)  # [B]",
            "num_accepted = (_prefix_length(keep) + 1).clamp(max=k)  # [B]",

@@ -195,3 +195,30 @@ def test_sampling_params_validated(kwargs):
 def test_matching_rule_with_sampled_target_tokens():
     out, n = accept_matching(torch.tensor([[3, 1]]), torch.tensor([[3, 2, 0]]))
     assert n.tolist() == [1] and out.tolist() == [[3, 2, -1]]
+
+
+# ---- batched rows with their own draft counts and draws -------------------------------------------------------------
+
+def test_batched_rows_equal_each_row_alone_whatever_the_padding_holds():
+    """The engine accepts all sampled rows in one call, each with its own K and its own uniforms: a row's outcome must
+    be what it gets alone, whatever its padding holds (draft probabilities past num_draft are not read)."""
+    gen = torch.Generator().manual_seed(3)
+    vocab, k = 7, 4
+    counts = [4, 2, 0, 3, 1]
+    rows = len(counts)
+    draft_probs = torch.rand(rows, k, vocab, generator=gen).softmax(-1)  # padding too: garbage that sums to 1
+    target_probs = torch.rand(rows, k + 1, vocab, generator=gen).softmax(-1)
+    draft_tokens = torch.multinomial(draft_probs.flatten(0, 1), 1, generator=gen).view(rows, k)
+    for row, n in enumerate(counts):
+        draft_tokens[row, n:] = -1
+    for _ in range(50):  # fresh uniforms: every path (accept all, reject at each position) gets exercised
+        uniforms = torch.rand(rows, k + 1, generator=gen)
+        batched, accepted = accept_rejection(draft_tokens, draft_probs, target_probs, num_draft=torch.tensor(counts),
+                                             uniforms=uniforms)
+        for row, n in enumerate(counts):
+            own = torch.cat([uniforms[row, :n], uniforms[row, n:n + 1]])[None]  # its n judging draws, then its extra
+            alone, alone_accepted = accept_rejection(draft_tokens[row:row + 1, :n], draft_probs[row:row + 1, :n],
+                                                     target_probs[row:row + 1, :n + 1], uniforms=own)
+            assert accepted[row] == alone_accepted[0]
+            assert batched[row, :n + 1].tolist() == alone[0].tolist()
+            assert (batched[row, n + 1:] == -1).all()
