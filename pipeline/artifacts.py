@@ -277,8 +277,8 @@ def pid_alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def build_lock(root: Path, wait: bool = True) -> Iterator[None]:
-    """One build per engines/<name> at a time; a second waits (or stops with a message when wait=False)."""
+def build_lock(root: Path) -> Iterator[None]:
+    """One build per engines/<name> at a time; a second waits for the first, saying so on stderr."""
     root.mkdir(parents=True, exist_ok=True)
     lock_path = root / ".lock"
     with _open_lock_file(lock_path) as fh:
@@ -287,9 +287,6 @@ def build_lock(root: Path, wait: bool = True) -> Iterator[None]:
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
-            if not wait:
-                raise EngineError(f"{root}: another build holds the lock (pid {holder}); wait for it to finish "
-                                  f"or stop it") from None
             print(f"waiting for another build of {root.name} (pid {holder}) to finish...", file=sys.stderr,
                   flush=True)
             fcntl.flock(fh, fcntl.LOCK_EX)

@@ -109,13 +109,10 @@ _COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", 
             ("ttft_ms", "ttft ms", "{:.1f}"), ("fraction_of_memory_bound", "of mem bound", "{:.2f}")]
 
 
-def format_table(records: list[dict], markdown: bool = False) -> str:
-    """Records as an aligned text table, or as a Markdown table for docs."""
+def format_table(records: list[dict]) -> str:
+    """Records as an aligned text table."""
     header = [title for _, title, _ in _COLUMNS]
     rows = [[("-" if r.get(key) is None else fmt.format(r[key])) for key, _, fmt in _COLUMNS] for r in records]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     fmt_row = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([fmt_row(header)] + [fmt_row(row) for row in rows])

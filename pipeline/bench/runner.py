@@ -3,16 +3,16 @@
 Methods (all greedy, batch 1):
   target       our runtime with max_draft_len=0: the baseline every speedup is measured against
   speculative  our runtime with K = 1..k_max
-  dynamic      our runtime with max_draft_len="auto" (the executor picks K per step), when the executor has it
+  dynamic      our runtime with max_draft_len="auto" (the executor picks K per step)
   ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
   ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
   adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy caps K per step from measured costs
                and each request's recent acceptance (torch runtime), with the executor's method
-  hf_lookup    Hugging Face generate(prompt_lookup_num_tokens=K) at the executor's K: the peer of ngram
-(Without a draft model, speculative.method: ngram, only target, ngram at K = 1..k_max, adaptive, hf_target and
-hf_lookup run.)
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
   hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
+  hf_lookup    Hugging Face generate(prompt_lookup_num_tokens=K) at the executor's K: the peer of ngram
+(Without a draft model, speculative.method: ngram, only target, ngram at K = 1..min(the executor's K, k_max),
+adaptive, hf_target and hf_lookup run. The Hugging Face methods need the torch models: not on TensorRT-LLM engines.)
 
 Repeats are interleaved (repeat 1 of every method, then repeat 2, ...) so that load from other processes on a
 shared machine spreads over all methods instead of penalising whichever ran during the burst.
@@ -42,7 +42,6 @@ class BenchOptions:
     repeats: int = 3
     skip_hf: bool = False
     cost_repeats: int = 20
-    seed: int = 0
 
 
 @dataclass
@@ -52,25 +51,14 @@ class Method:
     run: Callable[[list[int]], Sample]
 
 
-def dynamic_k_available(executor, prompt_ids: list[int]) -> str | None:
-    """None when generate accepts max_draft_len="auto"; else the reason it does not (printed, not faked)."""
-    try:
-        executor.generate([prompt_ids], max_new_tokens=2, max_draft_len="auto")
-    except (TypeError, ValueError) as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return None
-
-
-def build_methods(executor, options: BenchOptions, max_new_tokens: int, dynamic: bool) -> list[Method]:
+def build_methods(executor, options: BenchOptions, max_new_tokens: int) -> list[Method]:
     with_draft = executor.has_draft_model
     methods = [Method("target", 0, lambda ids: stream_sample(executor, ids, max_new_tokens, 0))]
     if with_draft:
         for k in range(1, options.k_max + 1):
             methods.append(Method("speculative", k,
                                   lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
-        if dynamic:
-            methods.append(Method("dynamic", "auto",
-                                  lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
+        methods.append(Method("dynamic", "auto", lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
     lookup_k = min(executor.max_draft_len, options.k_max)
     for proposer in ("ngram", "ngram+draft") if with_draft else ("ngram",):
         # Without a draft model the lookup is the method under test: sweep its K as the draft's K is swept.
@@ -123,7 +111,7 @@ def fit_prompt(executor, prompt: str, max_new_tokens: int) -> list[int]:
     return ids[-limit:]
 
 
-def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions, progress=None,
+def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions,
               note: Callable[[str], None] = print) -> tuple[list[dict], CostTerms, dict]:
     """Measure every method on every prompt set; returns (records, cost terms, notes for results.json)."""
     from tqdm import tqdm
@@ -137,16 +125,12 @@ def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions
         note(f"note: the target engine was built for K <= {limit}; sweeping K = 1..{limit} "
              f"(build with a larger speculative.max_draft_len to go further)")
         options.k_max = limit
-    reason = dynamic_k_available(executor, first)
-    if reason is not None:
-        note(f"note: dynamic K skipped: generate(max_draft_len='auto') raised {reason}")
-        notes["dynamic_skipped"] = reason
     torch_runtime = hasattr(executor, "engine")  # the TensorRT-LLM executor has engines, not torch models
     if not torch_runtime and not options.skip_hf:
         note("note: Hugging Face baselines skipped: they need the torch models, and these are TensorRT-LLM engines")
         notes["hf_skipped"] = "engines are not torch models"
         options.skip_hf = True
-    methods = build_methods(executor, options, options.max_new_tokens, reason is None)
+    methods = build_methods(executor, options, options.max_new_tokens)
     # Warm-up: first calls pay one-off allocation and dispatch costs nobody should be billed for.
     for method in methods:
         method.run(first[:16])
@@ -156,7 +140,7 @@ def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions
 
     samples: dict[tuple[str, str, int | str], list[list[Sample]]] = {}
     total = options.repeats * len(methods) * sum(len(v) for v in fitted.values())
-    bar = progress or tqdm(total=total, desc="bench", unit="gen")
+    bar = tqdm(total=total, desc="bench", unit="gen")
     for _ in range(options.repeats):
         for set_name, prompts in fitted.items():
             for method in methods:

@@ -20,7 +20,6 @@ SHM_DIR = Path("/dev/shm")
 class Stub:
     pid: int
     model: str  # the repository folder name: <repo>/<model>/1/model.py is the stub's first argument
-    instance: str  # e.g. "speculative_stream_0_0"
     shm_region: str  # its shared-memory region under /dev/shm (left behind when the server is SIGKILLed)
 
 
@@ -54,7 +53,7 @@ def stubs(server_pid: int) -> list[Stub]:
         # argv: stub, model.py path, shm region, shm sizes..., parent pid, backend dir, ..., instance name, ...
         if not argv or not argv[0].endswith(STUB_BINARY) or len(argv) < 9 or not alive(pid):
             continue
-        found.append(Stub(pid, Path(argv[1]).parent.parent.name, argv[8], argv[2]))
+        found.append(Stub(pid, Path(argv[1]).parent.parent.name, argv[2]))
     return found
 
 
