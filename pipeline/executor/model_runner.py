@@ -8,7 +8,6 @@ widest row). The runner builds per-row position ids and a 4D mask, so any Huggin
 from __future__ import annotations
 
 import inspect
-import time
 
 import torch
 from torch import Tensor
@@ -24,15 +23,9 @@ class BatchModelRunner:
         # transformers 5 renamed past_key_values to cache; remote-code models may still use the old name.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._trim_logits = "logits_to_keep" in params
-        self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.dtype = next(model.parameters()).dtype
         self.cache = SlotKVCache(slots, max_tokens)
         self._forward = torch.compile(self._call, dynamic=True) if compile else self._call
-        self.last_seconds = 0.0  # wall time of the latest forward (the engine's cost model reads it)
-
-    @property
-    def slots(self) -> int:
-        return self.cache.slots
 
     def length(self, row: int) -> int:
         return self.cache.lengths[row]
@@ -55,9 +48,7 @@ class BatchModelRunner:
         padded = [tokens + [0] * (width - len(tokens)) for tokens in rows]
         input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [rows, width]
         positions, mask = self.cache.prepare(counts, width, self.device, self.dtype, first_row)
-        start = time.perf_counter()
         logits = self._forward(input_ids, positions, mask, width if keep is None else keep)
-        self.last_seconds = time.perf_counter() - start
         for row, count in enumerate(counts):
             self.cache.advance(first_row + row, count)
         return logits.float()
