@@ -138,7 +138,7 @@ def _prompt(get: GetInput, max_input_len: int | None) -> tuple[str | list[int] |
     return [int(t) for t in ids.reshape(-1)], None
 
 
-def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | None = None) -> GenerateArgs:
+def parse_request(get: GetInput, draft_len_limit: int, max_input_len: int | None = None) -> GenerateArgs:
     """Validate one request; raises RequestError naming the input, the bad value and the fix.
 
     ``max_input_len`` (the engine's, in tokens) bounds the prompt before it is decoded or tokenized; without it
@@ -155,7 +155,7 @@ def parse_request(get: GetInput, max_draft_len_limit: int, max_input_len: int | 
     seed = _one(get, "seed", "iu")
     k = _one(get, "num_draft_tokens", "iu")
     try:
-        validate_request(max_tokens, temperature, top_k, top_p, seed, k, draft_len_limit=max_draft_len_limit,
+        validate_request(max_tokens, temperature, top_k, top_p, seed, k, draft_len_limit=draft_len_limit,
                          names=TRITON_NAMES)
     except RequestError as exc:
         if max_tokens < -1:  # Triton's JSON parser keeps only the low 32 bits of a number above INT32's range

@@ -74,7 +74,7 @@ class TritonPythonModel:
             method=params.get("method") or None,
             ngram=NgramSettings(int(params["ngram_min_match"]), int(params["ngram_max_match"]))
             if "ngram_min_match" in params else None)
-        self.k_limit = self.executor.draft_len_limit or self.executor.max_draft_len
+        self.draft_len_limit = self.executor.draft_len_limit or self.executor.max_draft_len
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
@@ -119,7 +119,7 @@ class TritonPythonModel:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         try:
-            args = self.parse_request(lambda name: _input(request, name), self.k_limit, self.executor.max_input_len)
+            args = self.parse_request(lambda name: _input(request, name), self.draft_len_limit, self.executor.max_input_len)
             prompt, turn_end = args.executor_prompt(self.executor.tokenizer, self.model_source)
             spec_request = self.executor.new_request(prompt, stop_token_ids=turn_end, **args.executor_kwargs())
         except Exception as exc:  # noqa: BLE001 - reported to this client; the model keeps serving others
