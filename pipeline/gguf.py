@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .artifacts import sha256_file  # noqa: F401 (scripts and tests hash GGUF files through this module)
+from .artifacts import sha256_file
 from .errors import ModelError
 
 # Values read per tensor by nonfinite_sample: SAMPLE_ROWS rows, evenly spaced (quantized rows dequantize whole).

@@ -1,4 +1,5 @@
-"""check, convert and build for both roles, each output under engines/<name>/<role>/<stage>/ with a manifest.
+"""check, convert and build for the config's roles (the target, and the draft unless speculative.method is ngram),
+each output under engines/<name>/<role>/<stage>/ with a manifest.
 
 A later stage reads the earlier stage's manifest (never the user's YAML again) and keys its own output on that
 manifest's input key, so editing the config or the source model invalidates exactly what depends on it.
@@ -104,7 +105,7 @@ def _first_difference(old: object, new: object, prefix: str = "") -> tuple[str, 
 
 def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...], force: bool = False,
                verify: bool = False) -> list[StageResult]:
-    """Run convert and/or build for both roles under the config's build lock; prints a summary.
+    """Run convert and/or build for the config's roles under its build lock, printing each stage's progress.
 
     The pair is checked first (tokenizers, limits, weight headers), so a bad input fails before anything is
     written under engines/. A stage is "up to date" only when its outputs still match its manifest (sizes and

@@ -99,13 +99,13 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
 
 def measure_call_costs(target, draft, context: Sequence[int], k_max: int, repeats: int = 15, warmup: int = 3
                        ) -> CostTerms:
-    """The same cost terms for engines behind the EngineRunner boundary (TensorRT-LLM): time whole engine calls.
+    """The same cost terms for engines behind the TrtllmRunner protocol (TensorRT-LLM): time whole engine calls.
 
     One call of ``generate(context, 1)`` is what the draft-target loop pays per single-token forward there (the
     request set-up included; KV-cache block reuse makes the repeated context cheap), and a verify call is the
     target handed K draft tokens (the context's own, so the comparison work is real).
     """
-    from ..executor.trtllm_executor import Sampling
+    from ..backends.trtllm_runner import Sampling
 
     if k_max < 1:
         raise ValueError(f"k_max: {k_max} must be >= 1")
