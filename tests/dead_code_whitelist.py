@@ -66,6 +66,5 @@ PREPROCESSING_UNSET
 
 # TODO(executor): dead? Written or defined, read by nothing in pipeline/ or scripts/.
 _.has_draft  # pipeline/executor/base.py: read by tests only
-_.last_seconds  # pipeline/executor/model_runner.py: set after every forward, never read
 cancelled  # pipeline/executor/request.py: the Request field, set by cancel(), never read (finish_reason is)
 _.cancelled
