@@ -64,7 +64,3 @@ _.metrics_url
 TENSORRT_LLM_UNSET
 PREPROCESSING_UNSET
 
-# TODO(executor): dead? Written or defined, read by nothing in pipeline/ or scripts/.
-_.has_draft  # pipeline/executor/base.py: read by tests only
-cancelled  # pipeline/executor/request.py: the Request field, set by cancel(), never read (finish_reason is)
-_.cancelled

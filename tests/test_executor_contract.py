@@ -103,7 +103,7 @@ def test_request_errors_are_request_errors(executor, kwargs, match):
 
 def test_limits_are_visible_for_callers(executor):
     assert (executor.max_input_len, executor.max_seq_len, executor.draft_len_limit) == (64, 128, 4)
-    assert executor.max_draft_len == 4 and executor.has_draft
+    assert executor.max_draft_len == 4
 
 
 def test_seeded_sampling_is_reproducible_per_prompt(executor):

@@ -140,7 +140,7 @@ def test_ngram_needs_no_draft_and_draft_model_needs_one(pair):
     with pytest.raises(ValueError, match="method"):
         SpeculativeExecutor(target, None, tok, method="lookup")
     ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="ngram")
-    assert ex.has_draft and ex.engine.draft is None
+    assert ex.method == "ngram" and ex.engine.draft is None
 
 
 @pytest.mark.parametrize("method, temperature, top_k", [("ngram", 0.8, 0), ("ngram+draft", 1.3, 4)])

@@ -384,7 +384,7 @@ def test_ngram_loads_only_the_target_engine(monkeypatch, tmp_path):
     with pytest.raises(EngineError, match="draft"):  # the draft-model method still needs its engine
         TrtllmSpeculativeExecutor.from_engines(tmp_path)
     executor = TrtllmSpeculativeExecutor.from_engines(tmp_path, method="ngram")
-    assert opened == ["target"] and executor.draft is None and executor.method == "ngram" and executor.has_draft
+    assert opened == ["target"] and executor.draft is None and executor.method == "ngram"
 
     # Built from an ngram config, the folder says so: no method argument needed.
     ngram_config = config.model_copy(update={"speculative": config.speculative.model_copy(

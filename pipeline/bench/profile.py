@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import PipelineError
+from ..methods import Method
 from ..speculative.analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
 from .arg_checks import check_range
 
@@ -40,14 +41,14 @@ class DraftProfile:
     expected_speedup: list[float] = field(default_factory=list)  # [k_max], K = 1..k_max
     best_k: int = 0
     best_speedup: float = 0.0
-    method: str = "draft_model"  # the speculative.method this candidate is: draft_model | ngram | ngram+draft
+    method: Method = Method.DRAFT_MODEL  # the speculative.method this candidate is
     draft_step_share: float = 1.0  # ngram+draft: share of speculative steps the draft model proposed
 
     def reasoning(self) -> str:
         if self.status != "ok":
             return f"{self.draft}: {self.status}: {self.reason}"
         k = self.best_k
-        if self.method == "ngram+draft":
+        if self.method == Method.NGRAM_DRAFT:
             return (f"{self.draft}: at K={k} the draft proposed in {self.draft_step_share:.0%} of speculative steps, "
                     f"lookups in the rest; tokens per step over cost per step = {self.best_speedup:.2f}x")
         tokens = expected_tokens_from_survival(self.acceptance_by_position, k)
@@ -96,7 +97,7 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int
     from .timing import measure_costs
 
     executor = SpeculativeExecutor.from_pretrained(target_path, None, max_draft_len=k_max, device=device,
-                                                   dtype=dtype, method="ngram")
+                                                   dtype=dtype, method=Method.NGRAM)
     ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
     results = executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max)
     stats = _total(results)
@@ -107,7 +108,7 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int
     speedups = speedups_from_survival(survival, 0.0, costs.verify_cost_ratio)
     best_k, best_speedup = best_k_from_survival(survival, 0.0, costs.verify_cost_ratio)
     return DraftProfile("ngram", "ok", "", stats.acceptance_rate, survival, 0.0, costs.verify_cost_ratio,
-                        speedups, best_k, best_speedup, method="ngram")
+                        speedups, best_k, best_speedup, method=Method.NGRAM)
 
 
 def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str | list[int]],
@@ -117,18 +118,18 @@ def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, pro
     from .runner import fit_prompt
 
     executor = SpeculativeExecutor.from_pretrained(target_path, draft_path, max_draft_len=k_max, device=device,
-                                                   dtype=dtype, method="ngram+draft")
+                                                   dtype=dtype, method=Method.NGRAM_DRAFT)
     ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
     stats = _total(executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max))
     steps = stats.target_steps
-    draft_steps = stats.by_proposer.get("draft_model", [0, 0, 0])[2]
-    lookup_steps = stats.by_proposer.get("ngram", [0, 0, 0])[2]
+    draft_steps = stats.by_proposer.get(Method.DRAFT_MODEL, [0, 0, 0])[2]
+    lookup_steps = stats.by_proposer.get(Method.NGRAM, [0, 0, 0])[2]
     share = draft_steps / max(draft_steps + lookup_steps, 1)
     verify = draft.verify_cost_ratio[k_max - 1]
     cost_per_step = verify + (draft_steps / steps) * k_max * draft.cost_ratio_c
     speedup = (stats.generated_tokens / steps) / cost_per_step
     return DraftProfile(f"ngram+{draft.draft}", "ok", "", stats.acceptance_rate, [], draft.cost_ratio_c,
-                        draft.verify_cost_ratio, [], k_max, speedup, method="ngram+draft", draft_step_share=share)
+                        draft.verify_cost_ratio, [], k_max, speedup, method=Method.NGRAM_DRAFT, draft_step_share=share)
 
 
 def _total(results):
@@ -152,10 +153,10 @@ def recommendation(profiles: list[DraftProfile]) -> str:
     if best.best_speedup <= 1.0:
         return (f"recommend: serve the target alone; the best candidate ({best.draft}, K={best.best_k}) is "
                 f"expected at {best.best_speedup:.2f}x, not faster than target-only decoding")
-    if best.method == "ngram":
+    if best.method == Method.NGRAM:
         return (f"recommend: speculative.method: ngram with speculative.max_draft_len: {best.best_k}, no draft "
                 f"model (expected {best.best_speedup:.2f}x over target-only decoding)")
-    if best.method == "ngram+draft":
+    if best.method == Method.NGRAM_DRAFT:
         return (f"recommend: speculative.method: ngram+draft with draft {best.draft.removeprefix('ngram+')} and "
                 f"speculative.max_draft_len: {best.best_k} (expected {best.best_speedup:.2f}x over target-only "
                 f"decoding)")

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..methods import Method
 from .measure import Sample, hf_sample, stream_sample
 from .records import finish_records, make_record
 from .timing import CostTerms, measure_call_costs, measure_costs
@@ -45,38 +46,40 @@ class BenchOptions:
 
 
 @dataclass
-class Method:
+class BenchMethod:
     name: str
     k: int | str
     run: Callable[[list[int]], Sample]
 
 
-def build_methods(executor, options: BenchOptions, max_new_tokens: int) -> list[Method]:
+def build_methods(executor, options: BenchOptions, max_new_tokens: int) -> list[BenchMethod]:
     with_draft = executor.has_draft_model
-    methods = [Method("target", 0, lambda ids: stream_sample(executor, ids, max_new_tokens, 0))]
+    methods = [BenchMethod("target", 0, lambda ids: stream_sample(executor, ids, max_new_tokens, 0))]
     if with_draft:
         for k in range(1, options.k_max + 1):
-            methods.append(Method("speculative", k,
-                                  lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
-        methods.append(Method("dynamic", "auto", lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
+            methods.append(BenchMethod("speculative", k,
+                                       lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
+        methods.append(BenchMethod("dynamic", "auto",
+                                   lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
     lookup_k = min(executor.max_draft_len, options.k_max)
-    for proposer in ("ngram", "ngram+draft") if with_draft else ("ngram",):
+    for proposer in (Method.NGRAM, Method.NGRAM_DRAFT) if with_draft else (Method.NGRAM,):
         # Without a draft model the lookup is the method under test: sweep its K as the draft's K is swept.
         for k in ([lookup_k] if with_draft else range(1, lookup_k + 1)):
-            methods.append(Method(proposer, k, lambda ids, p=proposer, k=k: stream_sample(
+            methods.append(BenchMethod(proposer.value, k, lambda ids, p=proposer, k=k: stream_sample(
                 executor, ids, max_new_tokens, k, method=p)))
     if hasattr(executor, "engine"):
-        methods.append(Method("adaptive", "policy", adaptive_runner(executor, max_new_tokens)))
+        methods.append(BenchMethod("adaptive", "policy", adaptive_runner(executor, max_new_tokens)))
     if not options.skip_hf:
         target = executor.target.model
         draft = executor.draft.model if with_draft else None
         pad = getattr(executor.tokenizer, "pad_token_id", None)
-        methods.append(Method("hf_target", 0, lambda ids: hf_sample(target, None, ids, max_new_tokens, 0, pad)))
+        methods.append(BenchMethod("hf_target", 0,
+                                   lambda ids: hf_sample(target, None, ids, max_new_tokens, 0, pad)))
         if with_draft:
             for k in range(1, options.k_max + 1):
-                methods.append(Method("hf_assisted", k,
+                methods.append(BenchMethod("hf_assisted", k,
                                       lambda ids, k=k: hf_sample(target, draft, ids, max_new_tokens, k, pad)))
-        methods.append(Method("hf_lookup", lookup_k, lambda ids: hf_sample(
+        methods.append(BenchMethod("hf_lookup", lookup_k, lambda ids: hf_sample(
             target, None, ids, max_new_tokens, lookup_k, pad, prompt_lookup=True)))
     return methods
 

@@ -29,11 +29,6 @@ class ExecutorBase(TokenizerIO):
     method = Method.DRAFT_MODEL  # who proposes by default
 
     @property
-    def has_draft(self) -> bool:
-        """Something can propose draft tokens: a draft model, or n-gram lookup."""
-        return self.has_draft_model or self.method == Method.NGRAM
-
-    @property
     def has_draft_model(self) -> bool:
         raise NotImplementedError
 

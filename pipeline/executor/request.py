@@ -61,7 +61,6 @@ class SpecRequest:
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
-    cancelled: bool = False
     k_now: int = 0  # dynamic K's current value
     # proposer -> this request's acceptance with it (what ngram+draft chooses by)
     _acceptance: dict[Method, AcceptanceEstimate] = field(default_factory=dict)
@@ -130,7 +129,6 @@ class SpecRequest:
 
     def cancel(self) -> StreamEvent:
         """Finish now (the client went away); the event carries no tokens."""
-        self.cancelled = True
         self.finish_reason = "cancelled"
         return StreamEvent([], "", True, "cancelled", self.stats)
 

@@ -13,7 +13,8 @@ parameter ``role`` says which part this instance plays:
   request/response model shares the engine instead of loading the models again.
 
 Other config.pbtxt parameters: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``,
-``device``, ``adaptive_draft_len``, ``engine_model``. Both export the counters ``spec_*_total`` on Triton's metrics
+``config_name``, ``device``, ``adaptive_draft_len``, ``method``, ``ngram_min_match``, ``ngram_max_match`` (the
+config's drafting method and lookup settings; without them the engines' recorded ones) and ``engine_model``. Both export the counters ``spec_*_total`` on Triton's metrics
 port (the engine model counts all the work it did, proxied requests included; the proxy the requests it answered);
 the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``.
 """
