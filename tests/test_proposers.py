@@ -67,3 +67,19 @@ def test_step_batch_lays_out_rows_padded():
     assert batch.proposer == [Method.NGRAM, Method.DRAFT_MODEL, None]
     assert batch.draft_probs.shape == (3, 3, 8) and batch.draft_probs[1, 0, 1] == 1
     assert batch.draft_probs[1, 1:].sum() == 0 and batch.draft_probs[2].sum() == 0  # padding stays zero
+
+
+def test_a_seeded_sampled_hybrid_row_does_not_depend_on_measured_costs(pair):
+    """Which proposer drafts changes a sampled row's draws; the measured cost ratio (machine and batch speed) must
+    not decide it for a seeded request, or its tokens would change with the load."""
+    target, draft, tok = pair
+    prompt = "x = compute(a, b)\ny = compute(a, b)\nz = compute("
+    outcomes = []
+    for draft_seconds in (1e-6, 1.0):  # a free draft model vs one that costs 1e5 verifies
+        ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, method="ngram+draft")
+        ex.engine.costs.record("draft", draft_seconds)
+        ex.engine.costs.record("target", 1e-5)
+        ex.engine._record = lambda role, tokens, seconds: None  # keep the measured ratio where it was set
+        (result,) = ex.generate([prompt], 24, temperature=0.8, seed=11)
+        outcomes.append((result.token_ids, result.stats.by_proposer))
+    assert outcomes[0] == outcomes[1]

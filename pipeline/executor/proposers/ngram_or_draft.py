@@ -2,8 +2,11 @@
 
 The comparison is expected emitted tokens per unit of cost: a lookup costs no model forward (only the verify), the
 draft model costs K draft forwards of c verify-forwards each. Each proposer's acceptance is the request's own
-(an AcceptanceEstimate per proposer, see pipeline.executor.acceptance), so a request whose output copies its prompt drifts
-to lookups and one that does not drifts to the draft model. Both executors choose with :func:`prefer_lookup`.
+(an AcceptanceEstimate per proposer, see pipeline.executor.acceptance), so a request whose output copies its
+prompt drifts to lookups and one that does not drifts to the draft model. Both executors choose with
+:func:`prefer_lookup`. A seeded sampling request prices the draft at UNMEASURED_COST_RATIO, not at the measured c:
+which proposer drafts changes its random draws, and its tokens must not depend on how fast the machine or the
+batch it shares ran.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from .draft_model import DraftModelProposer
 from .ngram import NgramProposer
 
 
+UNMEASURED_COST_RATIO = 0.25  # c before both phases ran, and for seeded sampling requests
+
+
 class CostRatio:
-    """c: one draft position over one verify, as measured (running means; 0.25 until both ran). Both executors
-    keep one; the ngram+draft choice prices the draft model with it."""
+    """c: one draft position over one verify, as measured (running means). Both executors keep one; the
+    ngram+draft choice prices the draft model with it."""
 
     def __init__(self):
         self._seconds = {"draft": 0.0, "target": 0.0}
@@ -31,11 +37,13 @@ class CostRatio:
     @property
     def value(self) -> float:
         draft, target = self._seconds["draft"], self._seconds["target"]
-        return draft / target if draft > 0 and target > 0 else 0.25
+        return draft / target if draft > 0 and target > 0 else UNMEASURED_COST_RATIO
 
 
 def prefer_lookup(request: SpecRequest, lookup_len: int, k: int, cost_ratio: float) -> bool:
     """Whether a found lookup of ``lookup_len`` tokens beats drafting ``k`` with the model (c = ``cost_ratio``)."""
+    if request.seeded and not request.params.greedy:
+        cost_ratio = UNMEASURED_COST_RATIO
     lookup_rate = request.acceptance(Method.NGRAM).rate
     draft_rate = request.acceptance(Method.DRAFT_MODEL).rate
     gain_lookup = expected_tokens_per_step(lookup_rate, lookup_len)
