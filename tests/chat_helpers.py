@@ -26,7 +26,7 @@ def make_chat_pair(tiny_pair: Path, out: Path) -> Path:
 
 def build_chat_engines(tiny_pair: Path, folder: Path, name: str = "tiny-chat") -> tuple[Path, Path]:
     """(config path, engines dir) of the chat pair, converted and built."""
-    from conftest import tiny_config_dict, write_config
+    from tests.conftest import tiny_config_dict, write_config
 
     from pipeline.config import load_config
     from pipeline.stages import run_stages

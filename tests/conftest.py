@@ -119,7 +119,6 @@ def tiny_vocab_model(seed: int, scale: float = 6.0, vocab: int = 6):
     return model
 
 
-
 def _make_real_model_module():
     import importlib.util
 
@@ -157,3 +156,12 @@ def real_draft_dir(real_model_dir) -> Path:
     """The shipped config's self-draft of the real model (its first layers; see scripts/make_real_model.py)."""
     module = _make_real_model_module()
     return module.make_self_draft(real_model_dir, real_model_dir.with_name(real_model_dir.name + "-draft"))
+
+
+@pytest.fixture(scope="session")
+def chat_engines(tiny_pair, tmp_path_factory) -> tuple[Path, Path]:
+    """(config path, engines dir) of a copy of the tiny pair whose tokenizers have a chat template
+    (tests/chat_helpers.py), converted and built once; shared, treat as read-only."""
+    from tests.chat_helpers import build_chat_engines
+
+    return build_chat_engines(tiny_pair, tmp_path_factory.mktemp("chat"))

@@ -63,4 +63,3 @@ frame
 _.metrics_url
 TENSORRT_LLM_UNSET
 PREPROCESSING_UNSET
-

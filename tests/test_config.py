@@ -1,12 +1,12 @@
-"""Typed config: every shipped YAML loads; bad configs fail with the field, the value and the fix."""
+"""pipeline/config.py: every shipped YAML loads; bad configs fail with the field, the value and the fix; any input is a
+config or a ConfigError, never a crash."""
 
-import json
 from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from pipeline.checks import resolve_build_limits
 from pipeline.config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, json_schema, load_config, parse_config
 from pipeline.errors import ConfigError
 
@@ -138,99 +138,101 @@ def test_schema_documents_the_derived_build_limits():
     assert "half of max_seq_len" in build["max_input_len"]["description"]
 
 
-@pytest.mark.parametrize("build, limits, expected", [
-    ({}, {"target": 512, "draft": 1024}, (512, 256)),  # the smaller model's limit
-    ({}, {"target": 131072, "draft": 131072}, (DEFAULT_MAX_SEQ_LEN_CAP, DEFAULT_MAX_SEQ_LEN_CAP // 2)),  # capped
-    ({}, {"target": None, "draft": None}, (DEFAULT_MAX_SEQ_LEN_CAP, DEFAULT_MAX_SEQ_LEN_CAP // 2)),  # unknown
-    ({"max_seq_len": 300}, {"target": 512, "draft": 512}, (300, 150)),  # set: kept, input derived from it
-    ({"max_input_len": 100}, {"target": 512, "draft": 2048}, (512, 100)),
-    ({"max_input_len": 100, "max_seq_len": 4096}, {"target": 512, "draft": 512}, (4096, 100)),  # kept as written
-])
-def test_build_limits_left_out_are_derived_from_the_models(build, limits, expected):
-    config = parse_config(minimal(build=build))
-    resolved, notes = resolve_build_limits(config.build, limits)
-    assert (resolved.max_seq_len, resolved.max_input_len) == expected
-    # every derived value is announced with where it came from; values the config sets are not
-    assert len(notes) == 2 - len({"max_seq_len", "max_input_len"} & set(build))
-    assert all(("not set" in line) for line in notes)
-    assert ("max_seq_len" not in build) == any(line.startswith(f"build.max_seq_len: {expected[0]} ") for line in notes)
+def test_config_method_rules(tiny_pair):
+    from tests.conftest import tiny_config_dict
+
+    from pipeline.config import parse_config
+    from pipeline.errors import ConfigError
+
+    data = tiny_config_dict(tiny_pair)
+    del data["draft"]
+    with pytest.raises(ConfigError, match="draft: required for speculative.method 'draft_model'.*method: ngram"):
+        parse_config(data)
+    with pytest.raises(ConfigError, match="'ngram\\+draft'"):
+        parse_config({**data, "speculative": {"method": "ngram+draft"}})
+    config = parse_config({**data, "speculative": {"method": "ngram", "ngram": {"min_match": 2, "max_match": 3}}})
+    assert config.roles == ("target",) and config.speculative.ngram.min_match == 2
+    with pytest.raises(ConfigError, match="speculative.ngram.min_match: 5 is above max_match"):
+        parse_config({**data, "speculative": {"method": "ngram", "ngram": {"min_match": 5}}})
+    with pytest.raises(ConfigError, match="speculative.method"):
+        parse_config({**data, "speculative": {"method": "lookahead"}})
 
 
-def _tiny_model(folder: Path, max_positions: int, tokenizer) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
+def test_shipped_code_pair_config_is_valid():
+    from tests.conftest import REPO
 
-    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                      pad_token_id=tokenizer.pad_token_id)
-    LlamaForCausalLM(cfg).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    from pipeline.config import load_config
+
+    config = load_config(REPO / "configs" / "code-pair.yaml")
+    assert config.backend == "torch" and config.runtime.device == "cpu"
+    assert config.target.model.endswith("models/code-pair/target") and config.target.dtype == "float32"
 
 
-@pytest.fixture(scope="module")
-def pair_512(tmp_path_factory) -> Path:
-    """An untrained target/draft pair whose models allow 512 positions (GPT-2 allows 1024, many small ones 512)."""
-    from pipeline.tinymodels import train_tokenizer
-
-    root = tmp_path_factory.mktemp("pair_512")
-    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
-    _tiny_model(root / "target", 512, tokenizer)
-    _tiny_model(root / "draft", 512, tokenizer)
-    return root
+yaml_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
+                         st.text(max_size=20))
 
 
-def _five_key_config(folder: Path, backend: str) -> Path:
-    path = folder / f"five-{backend}.yaml"
-    path.write_text(yaml.safe_dump({"name": f"five-{backend}", "backend": backend, "target": {"model": "target"},
-                                    "draft": {"model": "draft"}, "speculative": {"max_draft_len": 3}}))
-    return path
+yaml_values = st.recursive(yaml_scalars, lambda inner: st.one_of(
+    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=12), inner, max_size=4)), max_leaves=12)
 
 
-def test_five_key_config_over_a_512_position_pair_checks_and_builds(pair_512, capsys):
-    from pipeline.executor import SpeculativeExecutor
-    from pipeline.stages import run_check, run_stages, verify_engines
-
-    config = load_config(_five_key_config(pair_512, "torch"))
-    assert config.build.max_seq_len is None and config.build.max_input_len is None
-    report = run_check(config)
-    out = capsys.readouterr().out
-    assert "default  build.max_seq_len: 512 (not set: the models' position limit (target 512, draft 512)" in out
-    assert "default  build.max_input_len: 256 (not set: half of max_seq_len)" in out
-    assert (report.build.max_seq_len, report.build.max_input_len) == (512, 256)
-
-    engines = pair_512 / "engines"
-    run_stages(config, engines, ("convert", "build"))
-    root = engines / config.name
-    for role in ("target", "draft"):
-        engine = json.loads((root / role / "build" / "engine.json").read_text())
-        assert (engine["max_seq_len"], engine["max_input_len"]) == (512, 256)
-        manifest = json.loads((root / role / "build" / "manifest.json").read_text())
-        assert (manifest["config"]["build"]["max_seq_len"], manifest["config"]["build"]["max_input_len"]) == \
-            (512, 256)
-    verify_engines(config, engines)  # the same five-key config matches the engines built from it
-    executor = SpeculativeExecutor.from_engines(root, device="cpu")
-    assert (executor.max_seq_len, executor.max_input_len, executor.max_draft_len) == (512, 256, 3)
-    assert len(executor.generate([[5, 6, 7]], max_new_tokens=4)[0].token_ids) == 4
+section_keys = st.sampled_from(["name", "backend", "target", "draft", "speculative", "build", "serve", "runtime",
+                                "model", "max_draft_len", "acceptance", "dtype", "parallel", "tp", "bogus"])
 
 
-def test_five_key_trtllm_config_gets_concrete_limits_in_the_build_command(pair_512):
-    from pipeline.stages import Layout, build_role
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(yaml_values, st.dictionaries(section_keys, yaml_values, max_size=8)))
+def test_config_loader_never_crashes(data):
+    try:
+        config = parse_config(data)
+    except ConfigError as exc:
+        assert str(exc) and "\n" not in str(exc)
+    else:
+        assert config.speculative.max_draft_len >= 1
 
-    config = load_config(_five_key_config(pair_512, "trtllm"))
-    plan = build_role(config, Layout.for_config(config, pair_512 / "engines"), "target", dry_run=True)
-    argv, engine_json = plan[0], plan[-1]  # the trtllm-build command, then the engine.json it leads to
-    assert "--max_seq_len 512" in argv and "None" not in argv
-    assert '"max_seq_len": 512' in engine_json and '"max_input_len": 256' in engine_json  # what the build writes
+
+@settings(max_examples=150, deadline=None)
+@given(st.fixed_dictionaries({}, optional={
+    "speculative": st.fixed_dictionaries({}, optional={"max_draft_len": st.integers(-5, 40),
+                                                       "acceptance": st.sampled_from(["greedy", "rejection", "x"])}),
+    "build": st.fixed_dictionaries({}, optional={"max_input_len": st.integers(-5, 5000),
+                                                 "max_seq_len": st.integers(-5, 5000),
+                                                 "parallel": st.fixed_dictionaries({}, optional={
+                                                     "tp": st.integers(-1, 9), "pp": st.integers(-1, 9)})}),
+}))
+def test_valid_looking_configs_validate_or_explain(overrides):
+    data = {"name": "p", "target": {"model": "a/b"}, "draft": {"model": "a/c"}, **overrides}
+    try:
+        config = parse_config(data)
+    except ConfigError as exc:
+        assert any(f in str(exc) for f in ("speculative", "build", "serve")), str(exc)
+    else:
+        assert 1 <= config.speculative.max_draft_len <= 16
+        build = config.build  # a limit left out is derived from the models by `check`
+        assert None in (build.max_input_len, build.max_seq_len) or build.max_input_len < build.max_seq_len
+        assert yaml.safe_load(yaml.safe_dump(config.resolved()))  # round-trips as plain data
 
 
-def test_set_limits_are_still_checked_against_the_models(pair_512, tmp_path):
-    from pipeline.checks import check_pair
+VALID = """\
+name: ok
+target: {model: a/b}
+draft: {model: a/c}
+"""
 
-    data = yaml.safe_load(_five_key_config(pair_512, "torch").read_text())
-    for build, message in [({"max_seq_len": 1024}, "build.max_seq_len: 1024 exceeds target max_position_embeddings"),
-                           ({"max_input_len": 600}, "build.max_input_len: 600 must be below build.max_seq_len (512")]:
-        path = pair_512 / "limits.yaml"
-        path.write_text(yaml.safe_dump({**data, "build": build}))
-        report = check_pair(load_config(path))
-        assert any(message in error for error in report.errors), report.errors
+
+def test_long_name_is_refused_at_load_naming_the_limit(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(VALID.replace("ok", "n" * 300))
+    with pytest.raises(ConfigError, match=r"name: .* at most 100 characters"):
+        load_config(path)  # refused before `build` tries to make a folder the file system cannot hold
+
+
+def test_bad_values_are_printed_truncated():
+    huge = "x" * 5_000_000
+    with pytest.raises(ConfigError) as exc:
+        parse_config({"name": "ok", "backend": huge, "target": {"model": "a/b"}, "draft": {"model": "a/c"},
+                      huge: 1, "speculative": {"max_draft_len": [1] * 100_000}})
+    message = str(exc.value)
+    assert "backend: 'xxxx" in message and "speculative.max_draft_len: [1, 1" in message, message[:500]
+    assert "unknown key" in message
+    assert len(message) < 1500 and "\n" not in message, len(message)

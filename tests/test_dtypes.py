@@ -11,8 +11,7 @@ from pipeline import dtypes
 from pipeline.checks import check_pair, with_resolved_defaults
 from pipeline.config import ModelSpec, parse_config
 from pipeline.dtypes import checkpoint_dtype, cpu_runs_natively, resolve_dtype
-
-from conftest import tiny_config_dict
+from tests.conftest import tiny_config_dict
 
 NO_FLAGS = frozenset({"avx2", "avx512f"})
 

@@ -1,79 +1,20 @@
-"""check / convert / build: manifests, caching ("up to date"), atomic outputs, pair validation."""
+"""pipeline/stages.py: convert and build for both roles: manifests, caching ("up to date"), what a config change
+rebuilds, nothing written outside engines/ and no secret in what is."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM
 
-from conftest import run_cli, tiny_config_dict, write_config
-from pipeline.artifacts import read_manifest, run_stage
-from pipeline.checks import check_pair
+from pipeline.artifacts import read_manifest
 from pipeline.config import load_config
-from pipeline.errors import CompatibilityError, EngineError, ModelError
+from pipeline.errors import EngineError
+from pipeline.executor import SpeculativeExecutor
 from pipeline.stages import run_stages
-from pipeline.tinymodels import train_tokenizer
-
-
-def test_check_accepts_the_tiny_pair(tiny_config):
-    report = check_pair(load_config(tiny_config))
-    assert not report.errors
-    assert "tokenizers identical" in report.ok
-
-
-@pytest.fixture
-def other_tokenizer_draft(tiny_pair, tmp_path):
-    """The tiny draft with a tokenizer of the SAME vocab size but a different token-to-id map."""
-    folder = tmp_path / "draft-other-tok"
-    AutoModelForCausalLM.from_pretrained(tiny_pair / "draft").save_pretrained(folder)
-    from transformers import AutoTokenizer
-
-    size = len(AutoTokenizer.from_pretrained(tiny_pair / "target"))
-    texts = ["lorem ipsum dolor sit amet " * 200, "the quick brown fox jumps over the lazy dog " * 200]
-    train_tokenizer(texts, size).save_pretrained(folder)
-    return folder
-
-
-def test_check_refuses_a_different_tokenizer(tiny_pair, tmp_path, other_tokenizer_draft):
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, draft={"model": str(other_tokenizer_draft)}))
-    report = check_pair(load_config(cfg))
-    assert any("draft.model: tokenizer differs from target" in e and "same model family" in e
-               for e in report.errors), report.errors
-    result = run_cli("check", str(cfg))
-    assert result.returncode == 2
-    assert "tokenizer differs" in result.stderr and "Traceback" not in result.stderr
-
-
-def test_check_says_kv_cache_settings_do_nothing_on_torch(tiny_pair, tmp_path):
-    assert not any("kv_cache" in w for w in check_pair(load_config(write_config(
-        tmp_path, tiny_config_dict(tiny_pair)))).warnings)
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"kv_cache": {"enable_block_reuse": True}}))
-    report = check_pair(load_config(cfg))
-    assert any(w.startswith("build.kv_cache: set, but only backend trtllm uses it") for w in report.warnings)
-    assert not report.errors
-
-
-def test_check_refuses_too_long_max_seq_len(tiny_pair, tmp_path):
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"max_input_len": 100, "max_seq_len": 4096}))
-    with pytest.raises(CompatibilityError, match=r"build.max_seq_len: 4096 exceeds target max_position_embeddings"):
-        check_pair(load_config(cfg)).raise_if_failed()
-
-
-def test_missing_model_folder(tiny_pair, tmp_path):
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, target={"model": "./no/such/folder"}))
-    with pytest.raises(ModelError, match=r"target.model: folder .* does not exist"):
-        check_pair(load_config(cfg))
-
-
-def test_offline_uncached_hub_id(tiny_pair, tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, draft={"model": "someorg/not-cached-model"}))
-    result = run_cli("check", str(cfg), env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")})
-    assert result.returncode == 2
-    assert "draft.model: 'someorg/not-cached-model' is not in the local Hugging Face cache" in result.stderr
+from tests.conftest import run_cli, tiny_config_dict, write_config
 
 
 def test_build_writes_manifests_and_is_up_to_date(tiny_config, tmp_path):
@@ -120,41 +61,6 @@ def test_changed_source_weights_invalidate_convert(tiny_pair, tmp_path):
     assert [r.status for r in results] == ["up to date", "built"]
 
 
-def test_failed_stage_leaves_nothing_that_looks_complete(tmp_path):
-    out = tmp_path / "engines" / "x" / "target" / "build"
-
-    def explode(tmp):
-        (tmp / "half-written.bin").write_bytes(b"\0" * 10)
-        raise RuntimeError("killed")
-
-    with pytest.raises(RuntimeError):
-        run_stage("build", "target", out, {"a": 1}, {}, explode)
-    assert not out.exists()
-    assert list(out.parent.iterdir()) == []  # the temp folder is gone too
-
-
-def test_failed_rebuild_keeps_previous_output(tmp_path):
-    out = tmp_path / "stage"
-    run_stage("build", "target", out, {"a": 1}, {}, lambda tmp: (tmp / "w").write_text("v1") and None)
-
-    def explode(tmp):
-        raise RuntimeError("boom")
-
-    with pytest.raises(RuntimeError):
-        run_stage("build", "target", out, {"a": 2}, {}, explode)
-    assert (out / "w").read_text() == "v1" and read_manifest(out)["inputs"] == {"a": 1}
-
-
-def test_hand_edited_manifest_is_refused(tmp_path):
-    out = tmp_path / "stage"
-    run_stage("build", "target", out, {"a": 1}, {}, lambda tmp: None)
-    data = json.loads((out / "manifest.json").read_text())
-    data["inputs"]["a"] = 2
-    (out / "manifest.json").write_text(json.dumps(data))
-    with pytest.raises(EngineError, match="modified after it was written"):
-        read_manifest(out)
-
-
 def test_build_before_convert_is_a_clear_error(tiny_config, tmp_path):
     from pipeline.stages import Layout, build_role
 
@@ -163,15 +69,69 @@ def test_build_before_convert_is_a_clear_error(tiny_config, tmp_path):
         build_role(config, Layout.for_config(config, tmp_path / "e"), "target")
 
 
-def test_pickle_weights_refused_unless_allowed(tiny_pair, tmp_path):
-    import torch
+def test_ngram_config_builds_only_the_target_and_swapping_method_rebuilds_nothing(tiny_pair, tmp_path, capsys):
+    from tests.conftest import tiny_config_dict, write_config
 
-    folder = tmp_path / "pickled"
-    shutil.copytree(tiny_pair / "draft", folder)
-    from safetensors.torch import load_file
+    from pipeline.cli import main
+    from pipeline.config import load_config
+    from pipeline.run_cmd import load_executor
 
-    torch.save(load_file(folder / "model.safetensors"), folder / "pytorch_model.bin")
-    (folder / "model.safetensors").unlink()
-    cfg = load_config(write_config(tmp_path, tiny_config_dict(tiny_pair, draft={"model": str(folder)})))
-    with pytest.raises(ModelError, match=r"draft.model: .* only pickle weights .* draft.allow_pickle: true"):
-        run_stages(cfg, tmp_path / "engines", ("convert",))
+    data = tiny_config_dict(tiny_pair, name="lookup")
+    draft = data.pop("draft")
+    path = write_config(tmp_path, {**data, "speculative": {"method": "ngram", "max_draft_len": 4}})
+    engines = tmp_path / "engines"
+    assert main(["build", str(path), "--engines-dir", str(engines)]) == 0
+    assert (engines / "lookup" / "target" / "build").is_dir() and not (engines / "lookup" / "draft").exists()
+    executor = load_executor(load_config(path), engines)
+    (result,) = executor.generate(REPEATING[:1], 16)
+    assert set(result.stats.by_proposer) <= {"ngram"} and executor.engine.draft is None
+    built = SpeculativeExecutor.from_engines(engines / "lookup")  # the folder records its method: none to repeat
+    assert built.method == "ngram" and built.engine.draft is None
+
+    # method: ngram+draft with the draft added: the target is up to date, only the draft is converted and built
+    path = write_config(tmp_path, {**data, "draft": draft, "speculative": {"method": "ngram+draft", "max_draft_len": 4}})
+    capsys.readouterr()
+    assert main(["build", str(path), "--engines-dir", str(engines)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("up to date") == 2 and out.count("built") >= 2, out  # target convert+build kept
+    hybrid = load_executor(load_config(path), engines)
+    assert hybrid.method == "ngram+draft" and hybrid.engine.draft is not None
+
+    # and back to draft_model: nothing to rebuild at all
+    path = write_config(tmp_path, {**data, "draft": draft, "speculative": {"method": "draft_model", "max_draft_len": 4}})
+    capsys.readouterr()
+    assert main(["build", str(path), "--engines-dir", str(engines)]) == 0
+    assert capsys.readouterr().out.count("up to date") == 4
+
+
+REPEATING = ["x = compute(a, b)\ny = compute(a, b)\nz = compute(", "def f(self):\n    return self.value\n"
+             "def g(self):\n    return self.", "import os\nimport sys\nimport "]
+
+
+def snapshot(folder: Path) -> dict[str, float]:
+    if not folder.exists():
+        return {}
+    return {p.relative_to(folder).as_posix(): p.stat().st_mtime for p in folder.rglob("*")}
+
+
+def test_no_secret_in_manifests_or_logs(tiny_pair, tmp_path):
+    secret = "hf_SECRETtokenVALUE123456"
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="secret"))
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(config), "--engines-dir", str(engines), env={"HF_TOKEN": secret})
+    assert result.returncode == 0
+    assert secret not in result.stdout + result.stderr
+    for path in engines.rglob("*"):
+        if path.is_file():
+            assert secret.encode() not in path.read_bytes(), path
+
+
+def test_nothing_written_outside_engines(tiny_pair, tmp_path):
+    work = tmp_path / "cwd"
+    work.mkdir()
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="contained"))
+    pair_before = snapshot(tiny_pair)
+    result = run_cli("build", str(config), "--engines-dir", str(tmp_path / "engines"), cwd=work)
+    assert result.returncode == 0, result.stderr
+    assert list(work.iterdir()) == []
+    assert snapshot(tiny_pair) == pair_before

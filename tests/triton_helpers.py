@@ -72,3 +72,17 @@ def load_script(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up by name
     spec.loader.exec_module(module)
     return module
+
+
+def trtllm_config_dict(name: str = "big-tp4") -> dict:
+    return {
+        "name": name, "backend": "trtllm",
+        # dtype written: auto would read each model's config.json, which this offline test has no copy of
+        "target": {"model": "meta-llama/Llama-3.3-70B-Instruct", "dtype": "bfloat16"},
+        "draft": {"model": "meta-llama/Llama-3.2-1B-Instruct", "dtype": "bfloat16"},
+        "speculative": {"max_draft_len": 5, "acceptance": "rejection"},
+        "build": {"max_batch_size": 8, "max_input_len": 4096, "max_seq_len": 8192, "parallel": {"tp": 4, "pp": 1},
+                  "kv_cache": {"free_gpu_mem_fraction": 0.85}},
+        "runtime": {"target_device_ids": [0, 1, 2, 3], "draft_device_ids": [0]},
+        "serve": {"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002, "max_queue_delay_us": 100},
+    }

@@ -1,0 +1,146 @@
+"""`python -m pipeline bench` (pipeline/bench/cli.py) end to end on the tiny pair: results.json fields, consistent
+values, the PNG; `--prompts` files whose labels make the sets, chats included (tests/chat_helpers.py).
+
+Token counts are tiny so each run takes seconds; timing values are never compared with thresholds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.speculative.analytic import speedup_bound
+from tests.conftest import load_tiny_models, tiny_config_dict, write_config
+
+FIELDS = {"method", "k", "tokens_per_s", "speedup_vs_target", "acceptance_rate", "mean_accepted_len",
+          "cost_ratio_c", "bound_speedup", "efficiency", "itl_ms_p50", "itl_ms_p90", "ttft_ms",
+          "verify_cost_ratio", "prompt_set", "alpha", "bound_speedup_refined"}
+QUICK = ["--max-new-tokens", "6", "--num-prompts", "2", "--repeats", "1"]
+
+
+def _results(folder):
+    data = json.loads((folder / "results.json").read_text())
+    return data, data["records"]
+
+
+def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_pair, capsys):
+    config, engines = built_engines
+    out = engines.parent / "bench-out"
+    # The engines were built for K <= 4: a sweep to 6 is clipped with a note rather than failing.
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--out", str(out), "--k-max", "6",
+                 "--skip-hf", *QUICK]) == 0
+    printed = capsys.readouterr()
+    assert "K = 1..4" in printed.out + printed.err
+    data, records = _results(out)
+    assert data["machine"]["cpu_count"] >= 1 and data["machine"]["device"] == "cpu"
+    assert data["options"]["k_max"] == 4
+    assert data["loaded_from"].startswith("engines")
+    for record in records:
+        assert FIELDS <= record.keys(), FIELDS - record.keys()
+        assert record["prompt_set"] == "code"
+    by_method = {}
+    for record in records:
+        by_method.setdefault(record["method"], []).append(record)
+    assert not {"hf_target", "hf_assisted"} & by_method.keys()
+    (target,) = by_method["target"]
+    assert target["k"] == 0 and target["speedup_vs_target"] == 1.0 and target["bound_speedup"] == 1.0
+    assert target["mean_accepted_len"] == 1.0 and target["acceptance_rate"] == 0.0
+    assert sorted(r["k"] for r in by_method["speculative"]) == [1, 2, 3, 4]
+    c = data["cost_terms"]["cost_ratio_c"]
+    for record in by_method["speculative"]:
+        k = record["k"]
+        assert record["cost_ratio_c"] == pytest.approx(c, abs=1e-4)
+        assert record["verify_cost_ratio"] == pytest.approx(data["cost_terms"]["verify_cost_ratio"][k - 1], abs=1e-4)
+        assert record["bound_speedup"] == pytest.approx(speedup_bound(record["alpha"], k, c), abs=2e-3)
+        assert record["bound_speedup_refined"] == pytest.approx(
+            speedup_bound(record["alpha"], k, c, record["verify_cost_ratio"]), abs=2e-3)
+        assert record["efficiency"] == pytest.approx(record["speedup_vs_target"] / record["bound_speedup"], abs=2e-3)
+        assert record["speedup_vs_target"] == pytest.approx(record["tokens_per_s"] / target["tokens_per_s"],
+                                                            abs=2e-3)
+        assert 0.0 <= record["acceptance_rate"] <= 1.0
+        assert 1.0 <= record["mean_accepted_len"] <= k + 1
+    # The torch executor supports max_draft_len="auto": dynamic K must be measured, not skipped with a note.
+    assert "dynamic_skipped" not in data["notes"], data["notes"]
+    (dynamic,) = by_method["dynamic"]
+    assert dynamic["k"] == "auto" and 1.0 <= dynamic["mean_accepted_len"] <= 4 + 1
+    assert 0 < dynamic["mean_draft_len"] <= 4  # within the engines' K
+    (adaptive,) = by_method["adaptive"]  # the served default: the engine's policy caps K
+    assert adaptive["k"] == "policy" and 0 <= adaptive["mean_draft_len"] <= 4
+    terms = data["cost_terms"]
+    params = sum(p.numel() * p.element_size() for p in load_tiny_models(tiny_pair)[0].parameters())
+    assert terms["target_weight_bytes"] == params and terms["memory_bandwidth_gbs"] > 0
+    assert terms["memory_bound_tok_s"] == pytest.approx(terms["memory_bandwidth_gbs"] * 1e9 / params, rel=1e-3)
+    for record in records:
+        assert record["set"] == record["prompt_set"]
+        assert record["fraction_of_memory_bound"] == pytest.approx(
+            record["tokens_per_s"] / terms["memory_bound_tok_s"], abs=2e-3)
+    assert "memory-bound limit:" in printed.out and "of mem bound" in printed.out  # the table's column
+    assert len(terms["verify_cost_ratio"]) == 4 and "verify cost K=1..4:" in printed.out  # one per K, printed
+    png = out / "results.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_from_model_folders_with_a_short_hf_run(tiny_pair, tmp_path, capsys):
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="bench-hf"))
+    engines = tmp_path / "engines"
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--k-max", "1", "--prompt-set", "json,prose",
+                 "--max-new-tokens", "4", "--num-prompts", "1", "--repeats", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "no built engines" in printed and re.search(r"best (speculative|ngram) K=\d", printed)
+    data, records = _results(engines / "bench-hf" / "bench")
+    assert data["loaded_from"].startswith("model folders")
+    assert {r["prompt_set"] for r in records} == {"json", "prose"}
+    for name in ("json", "prose"):
+        methods = {(r["method"], r["k"]) for r in records if r["prompt_set"] == name}
+        assert {("target", 0), ("speculative", 1), ("hf_target", 0), ("hf_assisted", 1)} <= methods
+    hf = [r for r in records if r["method"] == "hf_assisted"]
+    assert all(FIELDS <= r.keys() and r["speedup_vs_hf_target"] is not None for r in hf)
+    assert (engines / "bench-hf" / "bench" / "results.png").is_file()
+
+
+@pytest.mark.parametrize("flag, value, message", [("--k-max", "0", "--k-max: 0 must be between 1 and 16"),
+                                                  ("--max-new-tokens", "1", "--max-new-tokens: 1 must be >= 2"),
+                                                  ("--prompt-set", "poems", "--prompt-set: 'poems' is not")])
+def test_bench_rejects_bad_options_by_name(tiny_config, tmp_path, capsys, flag, value, message):
+    assert main(["bench", str(tiny_config), "--engines-dir", str(tmp_path), flag, value]) == 2
+    assert message in capsys.readouterr().err
+
+
+USER = "def add(a, b):"
+
+
+CHAT_QUICK = ["--max-new-tokens", "4", "--repeats", "1", "--k-max", "2", "--skip-hf"]
+
+
+def test_bench_prompts_file_sets_come_from_labels(chat_engines, tmp_path, capsys):
+    config, engines = chat_engines
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in [
+        {"text": "def f(x):", "set": "code"}, {"text": "import sys", "set": "code"},
+        {"messages": [{"role": "user", "content": USER}], "set": "chat"}, {"text": "class A:", "set": "code"}]))
+    out = tmp_path / "bench"
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--prompts", str(prompts), "--out", str(out),
+                 "--num-prompts", "2", *CHAT_QUICK]) == 0
+    data = json.loads((out / "results.json").read_text())
+    assert data["options"]["prompt_sets"] == ["code", "chat"] and data["options"]["prompts_file"] == str(prompts)
+    assert data["options"]["num_prompts"] == 2
+    assert {r["set"] for r in data["records"]} == {"code", "chat"}
+    assert all(r["set"] == r["prompt_set"] for r in data["records"])
+    assert {r["prompts"] for r in data["records"] if r["set"] == "code"} == {2}  # --num-prompts caps each set
+    assert {r["prompts"] for r in data["records"] if r["set"] == "chat"} == {1}
+
+
+def test_bench_prompts_errors(chat_engines, tiny_config, tmp_path, capsys):
+    config, engines = chat_engines
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    assert main(["bench", str(config), "--prompts", str(prompts), "--prompt-set", "code", *CHAT_QUICK]) == 2
+    assert "--prompt-set and --prompts: pass one of them" in capsys.readouterr().err
+    # the plain tiny pair has no chat template: the chat item is named, with the fix
+    assert main(["bench", str(tiny_config), "--engines-dir", str(tmp_path / "none"), "--prompts", str(prompts),
+                 *CHAT_QUICK]) == 2
+    err = capsys.readouterr().err
+    assert f"--prompts: {prompts} line 1: messages: the tokenizer in " in err and "has no chat template" in err

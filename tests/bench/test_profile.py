@@ -1,0 +1,102 @@
+"""`python -m pipeline profile` (pipeline/bench/profile.py): measured acceptance and cost ratio -> a recommended draft
+and K, no engines; prompts files with chats."""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.cli import main
+from tests.conftest import tiny_config_dict, write_config
+
+
+def _foreign_model(folder):
+    """A tiny model whose tokenizer was trained on other text: a draft the target cannot use."""
+    from transformers import LlamaForCausalLM
+
+    from pipeline.tinymodels import TinyModelShape, llama_config, train_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog " * 20, "lorem ipsum dolor sit amet " * 20]
+    tokenizer = train_tokenizer(texts, 300)
+    model = LlamaForCausalLM(llama_config(TinyModelShape(32, 1, 2, 1, 64), tokenizer, 256))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_profile_recommends_k_in_range_and_reports_incompatible_drafts(tiny_pair, tmp_path, capsys):
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="profile-test"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\\n    return\nclass Stack:\\n    def push(self, item):\n")
+    foreign = _foreign_model(tmp_path / "foreign")
+    missing = tmp_path / "no-such-model"
+    assert main(["profile", str(config), "--prompts", str(prompts), "--draft", str(tiny_pair / "draft"),
+                 "--draft", str(foreign), "--draft", str(missing), "--k-max", "3", "--max-new-tokens", "8",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    profiles = json.loads(out[out.index("\n[\n") + 1:])
+    ok, hybrid, bad, gone, lookup = profiles
+    assert [p["method"] for p in profiles] == ["draft_model", "ngram+draft", "draft_model", "draft_model", "ngram"]
+    assert ok["status"] == "ok" and 1 <= ok["best_k"] <= 3
+    assert len(ok["acceptance_by_position"]) == 3 and len(ok["expected_speedup"]) == 3
+    assert ok["best_speedup"] == max(ok["expected_speedup"])
+    # the expected speedup is exactly the measured terms put together
+    survival, c, verify = ok["acceptance_by_position"], ok["cost_ratio_c"], ok["verify_cost_ratio"]
+    for k in (1, 2, 3):
+        assert abs(ok["expected_speedup"][k - 1] - (1 + sum(survival[:k])) / (k * c + verify[k - 1])) < 1e-9
+    assert bad["status"] == "incompatible" and "tokenizer" in bad["reason"]
+    assert gone["status"] == "unavailable"
+    assert "incompatible" in out.split("\n[\n")[0]
+    assert "recommend:" in out and f"K={ok['best_k']} maximises" in out
+    # lookups: no model cost, acceptance per target step, the same speedup formula with c = 0
+    assert lookup["status"] == "ok" and lookup["cost_ratio_c"] == 0.0 and 1 <= lookup["best_k"] <= 3
+    for k in (1, 2, 3):
+        expected = (1 + sum(lookup["acceptance_by_position"][:k])) / lookup["verify_cost_ratio"][k - 1]
+        assert abs(lookup["expected_speedup"][k - 1] - expected) < 1e-9
+    # the hybrid ran at K = k_max with the draft's cost terms
+    assert hybrid["draft"] == f"ngram+{tiny_pair / 'draft'}" and hybrid["best_k"] == 3
+    assert 0.0 <= hybrid["draft_step_share"] <= 1.0 and hybrid["best_speedup"] > 0
+
+
+def test_profile_defaults_to_the_configs_draft(tiny_config, tmp_path, capsys):
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps(["import os\nimport sys\n"]))
+    assert main(["profile", str(tiny_config), "--prompts", str(prompts), "--k-max", "2",
+                 "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "best K" in out and "recommend:" in out
+
+
+def test_profile_rejects_bad_options(tiny_config, tmp_path, capsys):
+    assert main(["profile", str(tiny_config), "--prompts", str(tmp_path / "none.txt")]) == 2
+    assert "--prompts:" in capsys.readouterr().err
+    assert main(["profile", str(tiny_config), "--prompts", str(tmp_path / "none.txt"), "--k-max", "4",
+                 "--max-new-tokens", "4"]) == 2
+    assert "--max-new-tokens: 4 must exceed --k-max 4" in capsys.readouterr().err
+
+
+def test_recommendation_names_the_method():
+    from pipeline.bench.profile import DraftProfile, recommendation
+
+    draft = DraftProfile("d", "ok", best_k=4, best_speedup=1.6)
+    lookup = DraftProfile("ngram", "ok", best_k=3, best_speedup=1.9, method="ngram")
+    hybrid = DraftProfile("ngram+d", "ok", best_k=4, best_speedup=2.1, method="ngram+draft")
+    assert recommendation([draft, lookup]) .startswith("recommend: speculative.method: ngram with speculative"
+                                                       ".max_draft_len: 3, no draft model")
+    assert "method: ngram+draft with draft d and speculative.max_draft_len: 4" in recommendation(
+        [draft, lookup, hybrid])
+    assert "method: draft_model with draft d" in recommendation([draft])
+    slow = DraftProfile("ngram", "ok", best_k=1, best_speedup=0.9, method="ngram")
+    assert "serve the target alone" in recommendation([slow])
+
+
+USER = "def add(a, b):"
+
+
+def test_profile_reads_chats(chat_engines, tmp_path, capsys):
+    config, _ = chat_engines
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": USER}]}) + "\n"
+                       + json.dumps({"text": "import os\nimport sys\n"}) + "\n")
+    assert main(["profile", str(config), "--prompts", str(prompts), "--k-max", "2", "--max-new-tokens", "6",
+                 "--no-ngram"]) == 0
+    assert "recommend:" in capsys.readouterr().out

@@ -1,0 +1,88 @@
+"""`python -m pipeline bench-serve` (pipeline/bench/serve_cli.py) end to end.
+
+Fast: the engine path on the session's tiny pair at concurrency 1 and 2 with a few tokens; the Triton paths run briefly
+under the `server` marker.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.bench import serve_matrix
+from tests.conftest import run_cli, tiny_config_dict, write_config
+
+
+@pytest.fixture(scope="module")
+def engine_bench(built_engines, tmp_path_factory):
+    config_path, engines = built_engines
+    out = tmp_path_factory.mktemp("serving")
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", "engine",
+                     "--concurrency", "1,2", "--requests", "4", "--max-tokens", "6", "--rounds", "2",
+                     "--hf-rounds", "1", "--num-prompts", "2", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return json.loads((out / "serving.json").read_text()), out, result.stdout
+
+
+def test_engine_path_end_to_end(engine_bench):
+    data, out, stdout = engine_bench
+    cells = {(r["mode"], r["concurrency"]): r for r in data["records"]}
+    assert set(cells) == {(m, c) for m in serve_matrix.MODES for c in (1, 2)}
+    for (mode, _), r in cells.items():
+        assert r["path"] == "engine" and r["requests"] == 4 and r["tokens"] <= 4 * 6
+        assert r["tokens_per_s"] > 0 and r["ttft_ms_p50"] > 0 and r["itl_ms_p99"] >= r["itl_ms_p50"] > 0
+        if mode == "target_only":  # max_draft_len=0 reaches the engine: nothing drafted
+            assert r["mean_draft_len"] == 0
+        else:
+            assert r["mean_draft_len"] > 0
+    assert cells[("speculative_fixed", 1)]["k"] == data["options"]["k"]
+    assert data["batch1_target_vs_hf"]["target_tokens_per_s"] > 0 and data["batch1_target_vs_hf"]["hf_target_tokens_per_s"] > 0
+    assert data["machine"]["cpu"] and data["machine"]["torch"]
+    assert (out / "serving.png").stat().st_size > 10_000
+    assert "speculative_fixed" in stdout and "wrote" in stdout
+
+
+def test_an_ngram_config_is_benchmarked_with_lookups(tiny_pair, tmp_path):
+    """The config's speculative.method reaches the benchmarked engine: an n-gram config has no draft engine."""
+    from pipeline.config import load_config
+    from pipeline.stages import run_stages
+
+    data = tiny_config_dict(tiny_pair, name="tiny-ngram")
+    data.pop("draft")
+    config_path = write_config(tmp_path, {**data, "speculative": {**data["speculative"], "method": "ngram"}})
+    run_stages(load_config(config_path), tmp_path / "engines", ("convert", "build"))
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(tmp_path / "engines"), "--paths", "engine",
+                     "--modes", "speculative_fixed", "--concurrency", "1", "--requests", "2", "--max-tokens", "6",
+                     "--rounds", "1", "--hf-rounds", "0", "--num-prompts", "2", "--out", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    (record,) = json.loads((tmp_path / "out" / "serving.json").read_text())["records"]
+    assert record["mode"] == "speculative_fixed" and record["tokens"] > 0
+
+
+def test_bad_flags_name_the_flag(built_engines):
+    config_path, engines = built_engines
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--modes", "speculative,fast")
+    assert result.returncode != 0 and "--modes: fast unknown" in result.stderr
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--concurrency", "8",
+                     "--requests", "4")
+    assert result.returncode != 0 and "--concurrency: 8" in result.stderr
+
+
+@pytest.mark.server
+def test_triton_paths_briefly(built_engines, tmp_path):
+    pytest.importorskip("tritonclient.http")
+    pytest.importorskip("tritonclient.grpc")
+    config_path, engines = built_engines
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", "triton,triton_stream",
+                     "--modes", "one_at_a_time,target_only", "--concurrency", "2", "--requests", "2",
+                     "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--out", str(tmp_path), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = json.loads((tmp_path / "serving.json").read_text())["records"]
+    by_path = {(r["path"], r["mode"]): r for r in records}
+    assert set(by_path) == {(p, m) for p in ("triton", "triton_stream") for m in ("one_at_a_time", "target_only")}
+    assert by_path[("triton", "target_only")]["ttft_ms_p50"] is None  # HTTP request/response: no first token
+    assert by_path[("triton_stream", "target_only")]["ttft_ms_p50"] > 0
+    for r in records:
+        assert 0 < r["tokens"] <= 2 * 4 and r["tokens_per_s"] > 0
+    assert by_path[("triton", "target_only")]["mean_draft_len"] == 0  # num_draft_tokens=0 reached the engine

@@ -1,0 +1,33 @@
+"""pipeline/bench/serve_matrix.py: the modes' K, and the measurement matrix's interleaved rounds."""
+
+from __future__ import annotations
+
+from pipeline.bench import serve_matrix
+from pipeline.bench.request_timing import RequestTiming
+from pipeline.bench.serve_matrix import ServeOptions
+
+
+def test_modes_name_the_right_draft_len():
+    assert serve_matrix.mode_draft_len("target_only", 4) == 0
+    assert serve_matrix.mode_draft_len("speculative_fixed", 4) == 4
+    assert serve_matrix.mode_draft_len("speculative", 4) is None  # adaptive: the engine caps K
+    assert serve_matrix.mode_draft_len("one_at_a_time", 4) is None
+
+
+def test_matrix_interleaves_rounds_and_keeps_each_cells_best(monkeypatch):
+    calls = []
+    speeds = iter([1.0, 3.0, 2.0, 1.0])  # round 1: cells A, B; round 2: A, B
+
+    def fake_load(make, prompts, requests, concurrency, max_tokens, k, one_at_a_time):
+        calls.append((concurrency, k, one_at_a_time))
+        if len(calls) == 1:  # the warm-up
+            return [RequestTiming(tokens=1, last_s=1.0)], 1.0
+        return [RequestTiming(tokens=10, first_s=0.1, last_s=1.0, itl_s=[0.1])], 10.0 / next(speeds)
+
+    monkeypatch.setattr(serve_matrix, "run_load", fake_load)
+    options = ServeOptions(concurrency=[2], requests=4, rounds=2, modes=["target_only", "speculative_fixed"],
+                           paths=["engine"])
+    records = serve_matrix.run_matrix({"engine": object}, [[1]], options, k=3, note=lambda _: None)
+    assert calls[1:] == [(2, 0, False), (2, 3, False)] * 2  # interleaved: A B A B, never A A B B
+    assert [r["tokens_per_s"] for r in records] == [2.0, 3.0]
+    assert [r["k"] for r in records] == [0, 3]

@@ -1,0 +1,115 @@
+"""One contract (pipeline/executor/base.py), two executors: the torch executor and the TensorRT-LLM executor (over a FAKE engine boundary,
+tests/fake_trtllm.py) must behave the same wherever the behaviour is not backend-specific."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.backends.trtllm_runner import EngineLimits
+from pipeline.executor import RequestError, SpeculativeExecutor
+from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor
+from tests.conftest import load_tiny_models
+from tests.fake_trtllm import FakeTrtllmEngine
+
+PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self"]
+N = 20
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    return load_tiny_models(tiny_pair)
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    target, _, tok = models
+    out = {}
+    for prompt in PROMPTS:
+        ids = torch.tensor([tok(prompt)["input_ids"]])
+        gen = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=N, do_sample=False,
+                              pad_token_id=0)
+        out[prompt] = gen[0, ids.shape[1]:].tolist()
+    return out
+
+
+@pytest.fixture(params=[(backend, method) for backend in ("torch", "trtllm-fake")
+                        for method in ("draft_model", "ngram", "ngram+draft")], ids=lambda p: "-".join(p))
+def executor(request, models):
+    target, draft, tok = models
+    backend, method = request.param
+    if backend == "torch":
+        return SpeculativeExecutor(target, None if method == "ngram" else draft, tok, max_draft_len=4,
+                                   max_seq_len=128, max_input_len=64, draft_len_limit=4, method=method)
+    return TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), None if method == "ngram" else FakeTrtllmEngine(draft),
+                                     tok, EngineLimits(max_input_len=64, max_seq_len=128, max_draft_len=4),
+                                     max_draft_len=4, acceptance="greedy",
+                                     eos_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else [],
+                                     method=method)
+
+
+@pytest.mark.parametrize("k", [0, 1, 4, "auto", None])
+def test_greedy_equals_target_greedy(executor, reference, k):
+    results = executor.generate(PROMPTS, N, max_draft_len=k)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference[prompt]
+        assert result.finish_reason == "length" and result.prompt_tokens > 0
+        s = result.stats
+        assert s.generated_tokens == N == s.accepted_tokens + s.target_steps
+        assert sum(s.drafted_at) == s.draft_tokens and sum(s.accepted_at) == s.accepted_tokens
+        if k == 0:
+            assert s.draft_tokens == 0 and s.target_steps == N
+        assert sum(d for d, _, _ in s.by_proposer.values()) == s.draft_tokens
+    if k != 0:
+        assert sum(r.stats.draft_tokens for r in results) > 0
+
+
+def test_stop_tokens_and_exact_lengths(executor, reference):
+    ids = reference[PROMPTS[0]]
+    stop = ids[5]
+    (result,) = executor.generate([PROMPTS[0]], N, stop_token_ids=[stop])
+    assert result.token_ids == ids[:ids.index(stop) + 1] and result.finish_reason == "stop"
+    for n in (0, 1, 2, 7):
+        (result,) = executor.generate([PROMPTS[1]], n)
+        assert result.token_ids == reference[PROMPTS[1]][:n]
+
+
+def test_stream_concatenates_to_the_result(executor):
+    events = list(executor.generate_stream(PROMPTS[2], N))
+    (result,) = executor.generate([PROMPTS[2]], N)
+    assert [t for e in events for t in e.token_ids] == result.token_ids
+    assert "".join(e.text for e in events) == result.text
+    assert events[-1].finished and not any(e.finished for e in events[:-1])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_new_tokens=-1), "max_new_tokens"),
+    (dict(max_new_tokens=4, temperature=-0.5), "temperature"),
+    (dict(max_new_tokens=4, top_p=0.0), "top_p"),
+    (dict(max_new_tokens=4, max_draft_len=-2), "max_draft_len"),
+    (dict(max_new_tokens=4, max_draft_len="fast"), "max_draft_len"),
+    (dict(max_new_tokens=4, max_draft_len=5), "larger than the 4"),
+    (dict(max_new_tokens=4, seed=[1, 2]), "seed"),
+    (dict(max_new_tokens=4, seed=-1), "seed"),
+    (dict(max_new_tokens=200), "max_seq_len 128"),
+])
+def test_request_errors_are_request_errors(executor, kwargs, match):
+    with pytest.raises(RequestError, match=match):
+        executor.generate(["hi"], **kwargs)
+    with pytest.raises(RequestError, match="max_input_len 64"):
+        executor.generate([list(range(10, 90))], 4)
+    assert executor.generate(["hi"], 2)[0].token_ids  # still usable
+
+
+def test_limits_are_visible_for_callers(executor):
+    assert (executor.max_input_len, executor.max_seq_len, executor.draft_len_limit) == (64, 128, 4)
+    assert executor.max_draft_len == 4
+
+
+def test_seeded_sampling_is_reproducible_per_prompt(executor):
+    kw = dict(temperature=0.9, top_k=50, top_p=0.95)
+    a = executor.generate(PROMPTS[:2], 12, seed=11, **kw)
+    b = executor.generate(PROMPTS[1:2], 12, seed=11, **kw)  # the same prompt alone, same seed
+    assert a[1].token_ids == b[0].token_ids
+    c = executor.generate(PROMPTS[:2], 12, seed=[12, 13], **kw)
+    assert [r.token_ids for r in c] != [r.token_ids for r in a]

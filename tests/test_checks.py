@@ -1,0 +1,204 @@
+"""pipeline/checks.py: the `check` stage refuses a pair or a config that cannot work (tokenizers, lengths, vocabularies,
+bind address), and derives the build limits a config leaves out from the models."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+from transformers import AutoModelForCausalLM
+
+from pipeline.checks import check_pair, resolve_build_limits
+from pipeline.config import DEFAULT_MAX_SEQ_LEN_CAP, load_config, parse_config
+from pipeline.errors import CompatibilityError
+from pipeline.tinymodels import train_tokenizer
+from tests.conftest import run_cli, tiny_config_dict, write_config
+
+
+@pytest.fixture
+def pair(tiny_pair, tmp_path) -> Path:
+    copy = tmp_path / "pair"
+    shutil.copytree(tiny_pair, copy)
+    return copy
+
+
+def _config(pair: Path, tmp_path: Path, **overrides) -> Path:
+    data = tiny_config_dict(pair, name="models", **overrides)
+    return write_config(tmp_path, data)
+
+
+def _one_error_line(result) -> str:
+    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("  warning")]
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    return lines[0]
+
+
+def test_ipv6_bind_address_is_refused_by_check(tiny_pair, tmp_path):
+    # tritonserver 2.51 binds gRPC to '::1' only with brackets and HTTP with them to every address: refuse it.
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="v6", serve={"bind_address": "::1"}))
+    line = _one_error_line(run_cli("check", str(config)))
+    assert "serve.bind_address: '::1'" in line and "127.0.0.1" in line, line
+
+
+def test_draft_with_fewer_embedding_rows_than_the_tokenizer(pair, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    draft = AutoModelForCausalLM.from_pretrained(pair / "draft")
+    draft.resize_token_embeddings(300)  # the probe's draft: ids 300-511 of the shared tokenizer have no row
+    draft.save_pretrained(pair / "draft")
+    assert json.loads((pair / "draft" / "config.json").read_text())["vocab_size"] == 300
+    line = _one_error_line(run_cli("check", str(_config(pair, tmp_path))))
+    assert line.startswith("error: draft.model:") and "300" in line and "512" in line, line
+
+
+def test_check_accepts_the_tiny_pair(tiny_config):
+    report = check_pair(load_config(tiny_config))
+    assert not report.errors
+    assert "tokenizers identical" in report.ok
+
+
+@pytest.fixture
+def other_tokenizer_draft(tiny_pair, tmp_path):
+    """The tiny draft with a tokenizer of the SAME vocab size but a different token-to-id map."""
+    folder = tmp_path / "draft-other-tok"
+    AutoModelForCausalLM.from_pretrained(tiny_pair / "draft").save_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    size = len(AutoTokenizer.from_pretrained(tiny_pair / "target"))
+    texts = ["lorem ipsum dolor sit amet " * 200, "the quick brown fox jumps over the lazy dog " * 200]
+    train_tokenizer(texts, size).save_pretrained(folder)
+    return folder
+
+
+def test_check_refuses_a_different_tokenizer(tiny_pair, tmp_path, other_tokenizer_draft):
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, draft={"model": str(other_tokenizer_draft)}))
+    report = check_pair(load_config(cfg))
+    assert any("draft.model: tokenizer differs from target" in e and "same model family" in e
+               for e in report.errors), report.errors
+    result = run_cli("check", str(cfg))
+    assert result.returncode == 2
+    assert "tokenizer differs" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_check_says_kv_cache_settings_do_nothing_on_torch(tiny_pair, tmp_path):
+    assert not any("kv_cache" in w for w in check_pair(load_config(write_config(
+        tmp_path, tiny_config_dict(tiny_pair)))).warnings)
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"kv_cache": {"enable_block_reuse": True}}))
+    report = check_pair(load_config(cfg))
+    assert any(w.startswith("build.kv_cache: set, but only backend trtllm uses it") for w in report.warnings)
+    assert not report.errors
+
+
+def test_check_refuses_too_long_max_seq_len(tiny_pair, tmp_path):
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"max_input_len": 100, "max_seq_len": 4096}))
+    with pytest.raises(CompatibilityError, match=r"build.max_seq_len: 4096 exceeds target max_position_embeddings"):
+        check_pair(load_config(cfg)).raise_if_failed()
+
+
+def minimal(**overrides):
+    data = {"name": "t", "target": {"model": "org/target"}, "draft": {"model": "org/draft"}}
+    data.update(overrides)
+    return data
+
+
+@pytest.mark.parametrize("build, limits, expected", [
+    ({}, {"target": 512, "draft": 1024}, (512, 256)),  # the smaller model's limit
+    ({}, {"target": 131072, "draft": 131072}, (DEFAULT_MAX_SEQ_LEN_CAP, DEFAULT_MAX_SEQ_LEN_CAP // 2)),  # capped
+    ({}, {"target": None, "draft": None}, (DEFAULT_MAX_SEQ_LEN_CAP, DEFAULT_MAX_SEQ_LEN_CAP // 2)),  # unknown
+    ({"max_seq_len": 300}, {"target": 512, "draft": 512}, (300, 150)),  # set: kept, input derived from it
+    ({"max_input_len": 100}, {"target": 512, "draft": 2048}, (512, 100)),
+    ({"max_input_len": 100, "max_seq_len": 4096}, {"target": 512, "draft": 512}, (4096, 100)),  # kept as written
+])
+def test_build_limits_left_out_are_derived_from_the_models(build, limits, expected):
+    config = parse_config(minimal(build=build))
+    resolved, notes = resolve_build_limits(config.build, limits)
+    assert (resolved.max_seq_len, resolved.max_input_len) == expected
+    # every derived value is announced with where it came from; values the config sets are not
+    assert len(notes) == 2 - len({"max_seq_len", "max_input_len"} & set(build))
+    assert all(("not set" in line) for line in notes)
+    assert ("max_seq_len" not in build) == any(line.startswith(f"build.max_seq_len: {expected[0]} ") for line in notes)
+
+
+def _tiny_model(folder: Path, max_positions: int, tokenizer) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pair_512(tmp_path_factory) -> Path:
+    """An untrained target/draft pair whose models allow 512 positions (GPT-2 allows 1024, many small ones 512)."""
+    from pipeline.tinymodels import train_tokenizer
+
+    root = tmp_path_factory.mktemp("pair_512")
+    tokenizer = train_tokenizer(["def f(x):\n    return x + 1\n" * 20], 300)
+    _tiny_model(root / "target", 512, tokenizer)
+    _tiny_model(root / "draft", 512, tokenizer)
+    return root
+
+
+def _five_key_config(folder: Path, backend: str) -> Path:
+    path = folder / f"five-{backend}.yaml"
+    path.write_text(yaml.safe_dump({"name": f"five-{backend}", "backend": backend, "target": {"model": "target"},
+                                    "draft": {"model": "draft"}, "speculative": {"max_draft_len": 3}}))
+    return path
+
+
+def test_five_key_config_over_a_512_position_pair_checks_and_builds(pair_512, capsys):
+    from pipeline.executor import SpeculativeExecutor
+    from pipeline.stages import run_check, run_stages, verify_engines
+
+    config = load_config(_five_key_config(pair_512, "torch"))
+    assert config.build.max_seq_len is None and config.build.max_input_len is None
+    report = run_check(config)
+    out = capsys.readouterr().out
+    assert "default  build.max_seq_len: 512 (not set: the models' position limit (target 512, draft 512)" in out
+    assert "default  build.max_input_len: 256 (not set: half of max_seq_len)" in out
+    assert (report.build.max_seq_len, report.build.max_input_len) == (512, 256)
+
+    engines = pair_512 / "engines"
+    run_stages(config, engines, ("convert", "build"))
+    root = engines / config.name
+    for role in ("target", "draft"):
+        engine = json.loads((root / role / "build" / "engine.json").read_text())
+        assert (engine["max_seq_len"], engine["max_input_len"]) == (512, 256)
+        manifest = json.loads((root / role / "build" / "manifest.json").read_text())
+        assert (manifest["config"]["build"]["max_seq_len"], manifest["config"]["build"]["max_input_len"]) == \
+            (512, 256)
+    verify_engines(config, engines)  # the same five-key config matches the engines built from it
+    executor = SpeculativeExecutor.from_engines(root, device="cpu")
+    assert (executor.max_seq_len, executor.max_input_len, executor.max_draft_len) == (512, 256, 3)
+    assert len(executor.generate([[5, 6, 7]], max_new_tokens=4)[0].token_ids) == 4
+
+
+def test_five_key_trtllm_config_gets_concrete_limits_in_the_build_command(pair_512):
+    from pipeline.stages import Layout, build_role
+
+    config = load_config(_five_key_config(pair_512, "trtllm"))
+    plan = build_role(config, Layout.for_config(config, pair_512 / "engines"), "target", dry_run=True)
+    argv, engine_json = plan[0], plan[-1]  # the trtllm-build command, then the engine.json it leads to
+    assert "--max_seq_len 512" in argv and "None" not in argv
+    assert '"max_seq_len": 512' in engine_json and '"max_input_len": 256' in engine_json  # what the build writes
+
+
+def test_set_limits_are_still_checked_against_the_models(pair_512, tmp_path):
+    from pipeline.checks import check_pair
+
+    data = yaml.safe_load(_five_key_config(pair_512, "torch").read_text())
+    for build, message in [({"max_seq_len": 1024}, "build.max_seq_len: 1024 exceeds target max_position_embeddings"),
+                           ({"max_input_len": 600}, "build.max_input_len: 600 must be below build.max_seq_len (512")]:
+        path = pair_512 / "limits.yaml"
+        path.write_text(yaml.safe_dump({**data, "build": build}))
+        report = check_pair(load_config(path))
+        assert any(message in error for error in report.errors), report.errors
