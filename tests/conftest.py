@@ -165,3 +165,16 @@ def chat_engines(tiny_pair, tmp_path_factory) -> tuple[Path, Path]:
     from tests.chat_helpers import build_chat_engines
 
     return build_chat_engines(tiny_pair, tmp_path_factory.mktemp("chat"))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu skip, with the reason, where torch finds no CUDA device."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="gpu: needs a CUDA device (torch.cuda.is_available() is False here)")
+        for item in gpu:
+            item.add_marker(skip)

@@ -200,6 +200,7 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", ["convert", "build"])
 def test_sigkill_mid_stage_is_never_taken_as_complete(tiny_pair, tmp_path, stage):
     config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="killed"))

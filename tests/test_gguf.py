@@ -31,6 +31,7 @@ def test_loadable_types_cover_the_common_quantizations():
         assert name in types
 
 
+@pytest.mark.slow
 def test_gguf_source_runs_check_convert_build_and_records_its_hash(real_gguf_file, real_model_dir, tmp_path,
                                                                     isolated_cache):
     from safetensors.torch import load_file

@@ -80,7 +80,7 @@ def test_engine_logits_match_hf(real_model_dir, target, chat_ids):
     assert (got - expected).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("method", ["target-only", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["target-only", "ngram", pytest.param("draft_model", marks=pytest.mark.slow)])
 def test_greedy_equals_hf_generate(real_model_dir, real_draft_dir, chat_ids, hf_greedy, method):
     """At the shipped configs' K and n-gram settings; target-only is max_draft_len=0 on the same runtime."""
     spec = load_config(REPO / "configs" / SHIPPED.get(method, SHIPPED["ngram"])).speculative
@@ -97,6 +97,7 @@ def test_greedy_equals_hf_generate(real_model_dir, real_draft_dir, chat_ids, hf_
         assert sum(r.stats.draft_tokens for r in results) > 0  # drafting really happened
 
 
+@pytest.mark.slow
 def test_check_build_run_chat_from_the_shipped_config(real_model_dir, real_draft_dir, tmp_path):
     config = REPO / "configs" / "smollm2-135m.yaml"
     engines = tmp_path / "engines"

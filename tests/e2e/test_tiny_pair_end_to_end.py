@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.conftest import run_cli
 
 
+@pytest.mark.slow
 def test_check_build_run_end_to_end(tiny_config, tmp_path):
     engines = tmp_path / "engines"
     assert run_cli("check", str(tiny_config)).returncode == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -73,8 +71,7 @@ def test_cache_slots_reused_across_calls_and_bounded(pair, reference, k):
     assert cache.slots == 2 and cache.capacity <= 129 and cache.lengths == [0, 0]
 
 
-@pytest.mark.skipif(not os.environ.get("RUN_SLOW"), reason="torch.compile warm-up takes minutes on 2 cores; "
-                                                         "set RUN_SLOW=1 to run")
+@pytest.mark.slow  # torch.compile's warm-up takes minutes on 2 cores
 def test_compiled_executor_matches_eager(pair, reference):
     target, draft, tok = pair
     ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, compile=True)
