@@ -158,16 +158,6 @@ def test_config_method_rules(tiny_pair):
         parse_config({**data, "speculative": {"method": "lookahead"}})
 
 
-def test_shipped_code_pair_config_is_valid():
-    from tests.conftest import REPO
-
-    from pipeline.config import load_config
-
-    config = load_config(REPO / "configs" / "code-pair.yaml")
-    assert config.backend == "torch" and config.runtime.device == "cpu"
-    assert config.target.model.endswith("models/code-pair/target") and config.target.dtype == "float32"
-
-
 yaml_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),
                          st.text(max_size=20))
 
@@ -236,3 +226,22 @@ def test_bad_values_are_printed_truncated():
     assert "backend: 'xxxx" in message and "speculative.max_draft_len: [1, 1" in message, message[:500]
     assert "unknown key" in message
     assert len(message) < 1500 and "\n" not in message, len(message)
+
+
+def test_code_pair_config_reads_the_folders_make_trains():
+    """configs/code-pair.yaml names the target and draft folders that `make train-pair` writes, and `make
+    build-engines` with it trains the pair before building (dry run, every rule taken as out of date)."""
+    import shlex
+    import subprocess
+
+    repo = CONFIGS[0].parents[1]
+    config = load_config(repo / "configs" / "code-pair.yaml")
+    assert config.backend == "torch" and config.runtime.device == "cpu"
+    plan = subprocess.run(["make", "-n", "-B", "build-engines", "CONFIG=configs/code-pair.yaml"], cwd=repo,
+                          capture_output=True, text=True, check=True).stdout.splitlines()
+    train = next(i for i, line in enumerate(plan) if "scripts/train_code_pair.py" in line)
+    assert train < next(i for i, line in enumerate(plan) if "-m pipeline build" in line)
+    argv = shlex.split(plan[train])
+    out = repo / argv[argv.index("--out") + 1]
+    for role in ("target", "draft"):
+        assert (config.base_dir / getattr(config, role).model).resolve() == (out / role).resolve(), role

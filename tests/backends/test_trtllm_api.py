@@ -103,13 +103,26 @@ def _all_argvs():
                     yield config, role, build_argv(config, role, Path("/ckpt") / role, Path("/out") / role)
 
 
-def test_there_are_gpu_configs():
+def test_the_goldens_are_exactly_the_shipped_gpu_configs():
+    """Every shipped trtllm config has a reviewed dry-run golden and every golden a config: a golden left behind by a
+    renamed or removed config would be checked by nothing, and a configs folder not found would silently leave the
+    parametrized tests below with nothing to check."""
     assert len(GPU_CONFIGS) >= 3
+    assert {p.name for p in GOLDEN.glob("build_dry_run_*.txt")} == {f"build_dry_run_{p.stem}.txt" for p in GPU_CONFIGS}
 
 
-def test_recorded_contract_is_the_pinned_release():
-    assert API["release"] == PINNED_VERSION == "1.1.0"
-    assert API["triton_container"].endswith(":25.12-trtllm-python-py3")
+def test_the_pinned_release_is_the_same_everywhere():
+    """One release, named in five places: the code's pin, the recorded API, the recorded Triton templates, the
+    container the error messages send users to, and the `trtllm` extra in pyproject.toml. A bump that misses one
+    (the extra still installing the old wheel, a message naming the old container) fails here."""
+    import tomllib
+
+    from pipeline.backends.trtllm_api import TRITON_CONTAINER
+
+    assert API["release"] == PINNED_VERSION and API["triton_container"] == TRITON_CONTAINER
+    assert (REPO / "tests" / "data" / f"trtllm_{PINNED_VERSION}_triton" / "tensorrt_llm" / "config.pbtxt").is_file()
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["trtllm"]
+    assert extra == [f"tensorrt-llm=={PINNED_VERSION}"]
     # Options that exist in this release and that we rely on; --gather_generation_logits is still a build flag.
     for flag in ("--speculative_decoding_mode", "--max_draft_len", "--use_paged_context_fmha",
                  "--gather_generation_logits", "--kv_cache_type", "--gemm_plugin"):

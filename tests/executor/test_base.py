@@ -101,9 +101,21 @@ def test_request_errors_are_request_errors(executor, kwargs, match):
     assert executor.generate(["hi"], 2)[0].token_ids  # still usable
 
 
-def test_limits_are_visible_for_callers(executor):
+def test_limits_hold_exactly_at_their_boundaries(executor):
+    """The limits callers read are the ones enforced, to the token: a prompt of exactly max_input_len tokens that
+    generates up to exactly max_seq_len is served (drafting stays inside the KV capacity at the end), and one token
+    more of either, or K above draft_len_limit, is refused."""
     assert (executor.max_input_len, executor.max_seq_len, executor.draft_len_limit) == (64, 128, 4)
-    assert executor.max_draft_len == 4
+    executor.eos_token_ids = []  # run to the limit: no early end of sequence
+    prompt = list(range(10, 10 + 64))
+    (result,) = executor.generate([prompt], 128 - 64, max_draft_len=4)
+    assert len(result.token_ids) == 64 and result.finish_reason == "length" and result.prompt_tokens == 64
+    with pytest.raises(RequestError, match="max_input_len 64"):
+        executor.generate([prompt + [10]], 1)
+    with pytest.raises(RequestError, match="max_seq_len 128"):
+        executor.generate([prompt], 128 - 64 + 1)
+    with pytest.raises(RequestError, match="larger than the 4"):
+        executor.generate([prompt[:8]], 2, max_draft_len=5)
 
 
 def test_seeded_sampling_is_reproducible_per_prompt(executor):
