@@ -63,3 +63,4 @@ frame
 _.metrics_url
 TENSORRT_LLM_UNSET
 PREPROCESSING_UNSET
+
