@@ -9,7 +9,7 @@ A substitution that no longer matches exactly once (the code it targets was rewr
 error naming the mutant: adapt its ``old``/``new`` text here rather than letting a mutant silently vanish.
 
     .venv/bin/python scripts/mutants.py                      # all mutants, the default tests
-    .venv/bin/python scripts/mutants.py --only shared_uniform -- tests/test_accept.py
+    .venv/bin/python scripts/mutants.py --only shared_uniform -- tests/speculative/test_accept.py
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_TESTS = ["tests/test_sampling_e2e.py", "tests/test_accept.py"]
+DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/test_accept.py",
+                 "tests/executor/test_batching_engine.py::test_seeded_sampling_does_not_depend_on_neighbours"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
