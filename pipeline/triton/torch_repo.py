@@ -78,6 +78,8 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         "ngram_min_match": config.speculative.ngram.min_match,
         "ngram_max_match": config.speculative.ngram.max_match,
         "config_name": config.name,
+        # For clients: the largest num_draft_tokens the model takes (scripts/load_test.py reads it from here).
+        "max_draft_len": config.speculative.max_draft_len,
     })
     return model
 
