@@ -9,7 +9,7 @@ CONFIG ?= configs/tiny.yaml
 TINY_PAIR := models/tiny/pair.json
 ARGS ?=
 
-.PHONY: setup real-model build-engines check convert build run deploy serve bench bench-serve profile train-pair test clean-engines
+.PHONY: setup real-model build-engines check convert build run deploy serve bench bench-serve profile train-pair train-draft test clean-engines
 
 # The venv is rebuilt when pyproject.toml changes; torch is pinned so pip takes the local CPU wheel.
 $(VENV)/.installed: pyproject.toml
@@ -62,6 +62,10 @@ run: $(VENV)/.installed
 
 deploy serve bench profile: $(VENV)/.installed $(PAIR_DEP)
 	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+
+# A draft distilled from the config's target (its own generations): writes models/<name>-distilled-draft.
+train-draft: $(VENV)/.installed $(PAIR_DEP)
+	$(PY) -m pipeline train-draft $(CONFIG) $(ARGS)
 
 # Serving under concurrent clients (engine + a real tritonserver on loopback); one torch thread, as the tests use.
 bench-serve: $(VENV)/.installed $(PAIR_DEP)

@@ -127,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(sub, _common)
     from .bench.cli import add_bench_parsers; add_bench_parsers(sub, _common)  # noqa: E702
     from .triton.cli import add_triton_parsers; add_triton_parsers(sub, _common)  # noqa: E702
+    from .distill.cli import add_train_parser; add_train_parser(sub, _common)  # noqa: E702
     return parser
 
 

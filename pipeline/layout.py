@@ -25,3 +25,9 @@ class Layout:
     def engine_dir(self, role: str) -> Path:
         """The built engine of one role (the build stage's output)."""
         return self.stage_dir(role, "build")
+
+    def distill_dir(self, part: str) -> Path:
+        """train-draft's work: ``dataset`` (the target's generations) and ``state`` (checkpoints for --resume)."""
+        if part not in ("dataset", "state"):
+            raise ValueError(f"no distill folder {part!r}")
+        return self.root / "distill" / part

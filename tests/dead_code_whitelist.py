@@ -21,6 +21,7 @@ num_hidden_layers
 num_attention_heads
 num_key_value_heads
 intermediate_size
+agreement  # pipeline/distill/train.py EvalResult: the training history (distill.json) holds it via asdict()
 
 # Settings read by the library that owns the object: reprlib.Repr (pipeline/errors.py), transformers models and
 # configs (pipeline/gguf.py, scripts/), tokenizers (pipeline/tinymodels.py), torch, zipfile.

@@ -22,6 +22,7 @@ FORBIDDEN = {
     "triton": {"bench", "cli", "run_cmd"},
     "stages": {"bench", "triton", "cli", "run_cmd"},
     "run_cmd": {"bench", "triton", "cli"},
+    "distill": {"bench", "triton", "cli", "run_cmd"},
 }
 
 

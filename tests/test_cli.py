@@ -31,7 +31,7 @@ def test_top_level_help_lists_every_subcommand_with_its_help():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     helps = {action.dest: action.help for action in sub._choices_actions}
     assert set(helps) == {"schema", "check", "convert", "build", "run", "deploy", "serve", "bench", "profile",
-                          "bench-serve"}
+                          "bench-serve", "train-draft"}
     result = run_cli("--help")
     assert result.returncode == 0
     for name, text in helps.items():

@@ -1,0 +1,1 @@
+"""`train-draft`: a draft model distilled from the target's own outputs (draft_init, dataset, train, cli)."""

@@ -1,0 +1,103 @@
+"""`python -m pipeline train-draft CONFIG`: distil a draft model for the config's target (see pipeline.distill).
+
+Writes a Hugging Face folder (``--out``; default ``models/<config name>-distilled-draft``) that a config's
+``draft.model`` can name: the target's architecture with a subset of its layers, its tokenizer files, the trained
+weights, and ``distill.json`` (the layers it started from, the training history, the dataset's hash). Two stage
+folders under ``engines/<name>/distill/``: ``dataset`` (the target's generations and top-k distributions,
+reused while the target, the prompts and the data options are unchanged) and ``state`` (checkpoints; ``--resume``
+continues a killed run from the last one). The output folder appears whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import PipelineError
+
+DEFAULT_PROMPTS = 256  # prompts cut from local text when no --prompts file is given
+PROMPT_TOKENS = 48
+TOP_K = 32  # target probabilities kept per position (the rest of the mass is renormalised away)
+
+
+def add_train_parser(sub, common) -> None:
+    p = sub.add_parser("train-draft", help="distil a draft model from the target's own outputs")
+    common(p)
+    p.add_argument("--out", type=Path, help="the draft's HF folder (default: models/<config name>-distilled-draft)")
+    p.add_argument("--tokens", type=int, default=200_000, help="response tokens to train on (default 200000)")
+    p.add_argument("--prompts", type=Path, help="prompt file (text lines, JSON, JSONL with text or messages); "
+                   "default: prompts cut from the Python standard library's sources")
+    p.add_argument("--layers", type=int, help="decoder layers of the draft, taken from the target (default: a "
+                   "quarter of the target's, at least 1)")
+    p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt (default 64)")
+    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
+    p.set_defaults(func=cmd_train_draft)
+
+
+def _prompts(args, tokenizer, target_source: str) -> list[list[int]]:
+    if args.prompts is not None:
+        from ..prompt_files import encode_items, read_prompt_file
+
+        encoded = encode_items(read_prompt_file(args.prompts), tokenizer, source=target_source)
+        return [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+                for p in encoded]
+    from ..tinymodels import read_text, stdlib_files
+    from .dataset import text_prompts
+
+    return text_prompts(tokenizer, read_text(stdlib_files(), 2_000_000), DEFAULT_PROMPTS, PROMPT_TOKENS, args.seed)
+
+
+def cmd_train_draft(args) -> int:
+    from ..artifacts import canonical_hash, content_hashes, run_stage
+    from ..config import load_config
+    from ..layout import Layout
+    from ..models import load_causal_lm, load_tokenizer, resolve_model
+    from .dataset import DistillSet, generate_dataset
+    from .draft_init import default_layers, draft_from_target
+    from .train import TrainOptions, train_draft
+
+    for name, value, low in (("--tokens", args.tokens, 1), ("--new-tokens", args.new_tokens, 1)):
+        if value < low:
+            raise PipelineError(f"{name}: {value} must be >= {low}")
+    config = load_config(args.config)
+    layout = Layout.for_config(config, args.engines_dir)
+    out = args.out or Path("models") / f"{config.name}-distilled-draft"
+    target_model = resolve_model(config.target, "target", config.base_dir, with_weights=True)
+    tokenizer = load_tokenizer(target_model)
+    target = load_causal_lm(target_model, "float32")
+    try:
+        layers = default_layers(target.config.num_hidden_layers,
+                                args.layers or max(1, target.config.num_hidden_layers // 4))
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+    prompts = _prompts(args, tokenizer, config.target.model)
+    target_hash = canonical_hash(content_hashes(target_model.path)) if not target_model.gguf_file \
+        else target_model.gguf_sha256
+    data_inputs = {"target": target_hash, "prompts": canonical_hash(prompts)}
+    data_config = {"new_tokens": args.new_tokens, "top_k": TOP_K, "seed": args.seed}
+    data_stage = run_stage("dataset", "draft", layout.distill_dir("dataset"), data_inputs, data_config,
+                           lambda tmp: generate_dataset(target, tokenizer, prompts, args.new_tokens, TOP_K,
+                                                        args.seed).save(tmp) or {"prompts": len(prompts)})
+    print(f"dataset {data_stage.status}: {data_stage.path}")
+    data = DistillSet.load(data_stage.path)
+    options = TrainOptions(tokens=args.tokens, lr=args.lr, seed=args.seed)
+    train_inputs = {"dataset": data_stage.manifest["input_key"], "layers": layers}
+
+    def produce(tmp: Path) -> dict:
+        draft = draft_from_target(target, layers)
+        history = train_draft(draft, data, options, state_dir=layout.distill_dir("state"), resume=args.resume)
+        draft.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        report = {"target": config.target.model, "layers_from_target": layers, "history": history}
+        (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+        return {"layers_from_target": layers, "final_eval": history["evals"][-1]}
+
+    result = run_stage("train", "draft", Path(out), train_inputs, {"options": options.__dict__}, produce)
+    final = result.manifest.get("final_eval") or {}
+    print(f"draft {result.status}: {result.path} ({len(layers)} of the target's "
+          f"{target.config.num_hidden_layers} layers: {layers}); held-out acceptance {final.get('acceptance', 0):.3f}, "
+          f"greedy agreement {final.get('agreement', 0):.3f}")
+    print(f"name it in a config: draft: {{model: {result.path}}}")
+    return 0

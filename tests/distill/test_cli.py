@@ -1,0 +1,67 @@
+"""`python -m pipeline train-draft`: the trained draft is a folder the rest of the pipeline takes unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import load_config
+from tests.conftest import tiny_config_dict, write_config
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_pair, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("train-draft")
+    config = write_config(folder, tiny_config_dict(tiny_pair, name="distil"))
+    out = folder / "distilled"
+    argv = ["train-draft", str(config), "--engines-dir", str(folder / "engines"), "--out", str(out),
+            "--tokens", "4000", "--new-tokens", "24", "--lr", "1e-3"]
+    assert main(argv) == 0
+    return folder, config, out, argv
+
+
+def test_the_draft_folder_is_complete_and_reused(trained, capsys):
+    folder, _, out, argv = trained
+    report = json.loads((out / "distill.json").read_text())
+    evals = report["history"]["evals"]
+    assert report["layers_from_target"] == [0] and evals[-1]["acceptance"] > evals[0]["acceptance"]
+    assert (out / "manifest.json").is_file() and (out / "model.safetensors").is_file()
+    capsys.readouterr()
+    assert main(argv) == 0  # same target, prompts and options: nothing to redo
+    assert capsys.readouterr().out.count("up to date") == 2
+
+
+def test_a_config_naming_the_draft_checks_builds_and_stays_lossless(trained, tiny_pair):
+    folder, _, out, _ = trained
+    config = write_config(folder, tiny_config_dict(tiny_pair, name="with-distilled",
+                                                   draft={"model": str(out), "dtype": "float32"}))
+    engines = folder / "engines"
+    assert main(["check", str(config)]) == 0  # same tokenizer, architecture, limits
+    assert main(["build", str(config), "--engines-dir", str(engines)]) == 0
+    from pipeline.run_cmd import load_executor
+
+    executor = load_executor(load_config(config), engines)
+    prompts = ["def main(", "import os\n", "class Parser:"]
+    speculative = executor.generate(prompts, 24)
+    plain = executor.generate(prompts, 24, max_draft_len=0)
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+    assert sum(r.stats.accepted_tokens for r in speculative) > 0
+
+
+def test_a_trtllm_dry_run_builds_the_pair(trained, tiny_pair, capsys):
+    folder, _, out, _ = trained
+    config = write_config(folder, tiny_config_dict(tiny_pair, name="distilled-trtllm", backend="trtllm",
+                                                   draft={"model": str(out), "dtype": "float16"},
+                                                   target={"model": str(tiny_pair / "target"), "dtype": "float16"}))
+    capsys.readouterr()
+    assert main(["build", str(config), "--engines-dir", str(folder / "engines"), "--dry-run"]) == 0
+    printed = capsys.readouterr().out
+    assert "trtllm-build" in printed and str(out) in printed
+
+
+def test_bad_values_are_one_line_errors(trained, capsys):
+    _, config, _, _ = trained
+    assert main(["train-draft", str(config), "--tokens", "0"]) == 2
+    assert "--tokens: 0 must be >= 1" in capsys.readouterr().err
