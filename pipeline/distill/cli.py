@@ -33,6 +33,8 @@ def add_train_parser(sub, common) -> None:
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
+    p.add_argument("--kind", choices=("model", "medusa"), default="model",
+                   help="what to train: a draft model (default); medusa heads are not trained by this version")
     p.set_defaults(func=cmd_train_draft)
 
 
@@ -58,6 +60,9 @@ def cmd_train_draft(args) -> int:
     from .draft_init import default_layers, draft_from_target
     from .train import TrainOptions, train_draft
 
+    if args.kind != "model":
+        raise PipelineError("--kind medusa: this version trains draft models only (--kind model); Medusa heads "
+                            "and tree verification are not implemented yet")
     for name, value, low in (("--tokens", args.tokens, 1), ("--new-tokens", args.new_tokens, 1)):
         if value < low:
             raise PipelineError(f"{name}: {value} must be >= {low}")
