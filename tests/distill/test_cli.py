@@ -67,3 +67,18 @@ def test_bad_values_are_one_line_errors(trained, capsys):
     assert "--tokens: 0 must be >= 1" in capsys.readouterr().err
     assert main(["train-draft", str(config), "--kind", "medusa"]) == 2
     assert "draft models only" in capsys.readouterr().err
+
+
+def test_the_shipped_distilled_config_trains_its_draft_before_building():
+    """`make build-engines CONFIG=configs/smollm2-135m-distilled.yaml` makes the real model, trains, then builds."""
+    import subprocess
+
+    from tests.conftest import REPO
+
+    plan = subprocess.run(["make", "-n", "-B", "build-engines", "CONFIG=configs/smollm2-135m-distilled.yaml"],
+                          cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines()
+    order = [next(i for i, line in enumerate(plan) if marker in line)
+             for marker in ("scripts/make_real_model.py", "-m pipeline train-draft", "-m pipeline build")]
+    assert order == sorted(order)
+    assert load_config(REPO / "configs" / "smollm2-135m-distilled.yaml").draft.model.endswith(
+        "smollm2-135m-distilled-draft")
