@@ -45,10 +45,14 @@ def _prompts(args, tokenizer, target_source: str) -> list[list[int]]:
         encoded = encode_items(read_prompt_file(args.prompts), tokenizer, source=target_source)
         return [tokenizer(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
                 for p in encoded]
+    from ..chat import has_chat_template
     from ..tinymodels import read_text, stdlib_files
-    from .dataset import text_prompts
+    from .dataset import chat_prompts, text_prompts
 
-    return text_prompts(tokenizer, read_text(stdlib_files(), 2_000_000), DEFAULT_PROMPTS, PROMPT_TOKENS, args.seed)
+    texts = read_text(stdlib_files(), 2_000_000)
+    if has_chat_template(tokenizer):  # an instruct model: ask it things, as its users will
+        return chat_prompts(tokenizer, texts, DEFAULT_PROMPTS, args.seed, source=target_source)
+    return text_prompts(tokenizer, texts, DEFAULT_PROMPTS, PROMPT_TOKENS, args.seed)
 
 
 def cmd_train_draft(args) -> int:
@@ -82,9 +86,13 @@ def cmd_train_draft(args) -> int:
         else target_model.gguf_sha256
     data_inputs = {"target": target_hash, "prompts": canonical_hash(prompts)}
     data_config = {"new_tokens": args.new_tokens, "top_k": TOP_K, "seed": args.seed}
+    from ..chat import end_of_turn_ids, has_chat_template
+
+    stops = end_of_turn_ids(tokenizer) if has_chat_template(tokenizer) else []
     data_stage = run_stage("dataset", "draft", layout.distill_dir("dataset"), data_inputs, data_config,
                            lambda tmp: generate_dataset(target, tokenizer, prompts, args.new_tokens, TOP_K,
-                                                        args.seed).save(tmp) or {"prompts": len(prompts)})
+                                                        args.seed, stop_ids=stops).save(tmp)
+                           or {"prompts": len(prompts)})
     print(f"dataset {data_stage.status}: {data_stage.path}")
     data = DistillSet.load(data_stage.path)
     options = TrainOptions(tokens=args.tokens, lr=args.lr, seed=args.seed)

@@ -70,10 +70,44 @@ def text_prompts(tokenizer, texts: list[str], count: int, prompt_tokens: int, se
     return prompts
 
 
+# Tasks a chat model is asked about local text, so a chat target answers in its own chat voice (code, prose, JSON).
+CHAT_TASKS = (
+    "Explain what this Python code does:\n\n```python\n{snippet}\n```",
+    "Write a short docstring for the main function in this code:\n\n```python\n{snippet}\n```",
+    "Rewrite this code with clearer variable names:\n\n```python\n{snippet}\n```",
+    "Return a JSON object whose keys are the names defined in this code and whose values say what each is:"
+    "\n\n```python\n{snippet}\n```",
+    "Summarize the purpose of this code in two sentences:\n\n```python\n{snippet}\n```",
+    "Continue this code with one more function in the same style:\n\n```python\n{snippet}\n```",
+)
+SNIPPET_LINES = 14
+
+
+def chat_prompts(tokenizer, texts: list[str], count: int, seed: int, source: str | None = None) -> list[list[int]]:
+    """``count`` chat prompts (through the tokenizer's chat template) asking CHAT_TASKS about snippets of
+    ``texts``: for an instruct target, whose answers are what a draft will be asked to predict."""
+    from ..chat import encode_chat
+
+    rng = random.Random(seed)
+    sources = [text.splitlines() for text in texts if text.count("\n") > SNIPPET_LINES]
+    if not sources:
+        raise ValueError(f"no text longer than {SNIPPET_LINES} lines to cut prompts from")
+    prompts = []
+    for i in range(count):
+        lines = rng.choice(sources)
+        start = rng.randrange(len(lines) - SNIPPET_LINES)
+        snippet = "\n".join(lines[start:start + SNIPPET_LINES]).strip("\n")
+        task = CHAT_TASKS[i % len(CHAT_TASKS)]
+        prompts.append(encode_chat(tokenizer, [{"role": "user", "content": task.format(snippet=snippet)}],
+                                   source=source))
+    return prompts
+
+
 @torch.no_grad()  # not inference_mode: training reads these tensors under autograd
 def generate_dataset(target, tokenizer, prompts: list[list[int]], new_tokens: int, top_k: int, seed: int,
-                     batch_size: int = 8) -> DistillSet:
-    """The target's responses to ``prompts`` and its top-k distributions along them (see the module docstring)."""
+                     batch_size: int = 8, stop_ids: list[int] | None = None) -> DistillSet:
+    """The target's responses to ``prompts`` and its top-k distributions along them (see the module docstring);
+    ``stop_ids`` end a response early (a chat's end of turn), as they will when the draft serves."""
     from ..executor import SpeculativeExecutor
 
     executor = SpeculativeExecutor(target, None, tokenizer, max_draft_len=1, method="ngram",
@@ -83,7 +117,7 @@ def generate_dataset(target, tokenizer, prompts: list[list[int]], new_tokens: in
     for first in tqdm(range(0, len(prompts), batch_size), desc="target generations", unit="batch"):
         chunk = prompts[first:first + batch_size]
         requests = [executor.new_request(prompt, new_tokens, max_draft_len=0, with_text=False,
-                                         **({} if (first + i) % 2 == 0 else
+                                         stop_token_ids=stop_ids, **({} if (first + i) % 2 == 0 else
                                             dict(temperature=SAMPLE_TEMPERATURE, seed=seed + first + i)))
                     for i, prompt in enumerate(chunk)]
         for prompt, result in zip(chunk, executor.run(requests)):

@@ -64,3 +64,18 @@ def test_resume_continues_exactly(setup, tmp_path):
         assert torch.equal(a, b), name
     with pytest.raises(ValueError, match="other training options"):
         train_draft(draft_from_target(target, [0]), data, TrainOptions(tokens=10), state_dir=tmp_path, resume=True)
+
+
+def test_chat_prompts_ask_the_target_through_its_template(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    from pipeline.distill.dataset import CHAT_TASKS, chat_prompts
+    from tests.chat_helpers import make_chat_pair
+
+    tokenizer = AutoTokenizer.from_pretrained(make_chat_pair(tiny_pair, tmp_path / "pair") / "target")
+    texts = ["\n".join(f"line_{i} = {i}" for i in range(40))]
+    prompts = chat_prompts(tokenizer, texts, len(CHAT_TASKS), seed=1)
+    decoded = [tokenizer.decode(p) for p in prompts]
+    assert all(text.startswith("user\n") and text.endswith("assistant\n") for text in decoded)
+    assert all("line_" in text for text in decoded) and len(set(decoded)) == len(CHAT_TASKS)
+    assert "JSON object" in decoded[3] and chat_prompts(tokenizer, texts, 6, seed=1) == prompts  # seeded
