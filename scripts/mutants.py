@@ -73,7 +73,7 @@ MUTANTS = [
            "target_at = torch.cat([target_probs[:, :k], draft_probs[:, -1:]], 1)[rows, num_accepted]  # [B, V]",
            "after all K are accepted, the bonus token is drawn from the draft's last distribution"),
     Mutant("residual_from_target", ACCEPT,
-           "residual = (target_at - draft_padded[rows, num_accepted]).clamp_min(0)  # [B, V]",
+           "residual = (target_at - draft_at).clamp_min(0)  # [B, V]",
            "residual = target_at.clamp_min(0)  # [B, V]",
            "the recovered token is drawn from the target instead of normalize(max(0, target - draft))"),
     Mutant("shared_uniform", ACCEPT,

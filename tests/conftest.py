@@ -88,6 +88,25 @@ def run_cli(*args: str, cwd: Path = REPO, env: dict | None = None, timeout: int 
                           timeout=timeout)
 
 
+def one_error_line(result, ignore_warnings: bool = False) -> str:
+    """The CLI failed cleanly: exit 2, no traceback, stderr one ``error:`` line (``warning`` lines allowed when
+    ``ignore_warnings``); returns that line."""
+    lines = [line for line in result.stderr.splitlines()
+             if line.strip() and not (ignore_warnings and line.startswith("  warning"))]
+    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    return lines[0]
+
+
+@pytest.fixture
+def pair_copy(tiny_pair, tmp_path) -> Path:
+    """A copy of the tiny pair that a test may damage."""
+    copy = tmp_path / "pair"
+    shutil.copytree(tiny_pair, copy)
+    return copy
+
+
 def load_tiny_models(pair: Path):
     """(target, draft, tokenizer) of a tiny pair folder, float32, in eval mode."""
     import torch

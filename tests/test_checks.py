@@ -15,14 +15,12 @@ from pipeline.checks import check_pair, resolve_build_limits
 from pipeline.config import DEFAULT_MAX_SEQ_LEN_CAP, load_config, parse_config
 from pipeline.errors import CompatibilityError
 from pipeline.tinymodels import train_tokenizer
-from tests.conftest import run_cli, tiny_config_dict, write_config
+from tests.conftest import one_error_line, run_cli, tiny_config_dict, write_config
 
 
 @pytest.fixture
-def pair(tiny_pair, tmp_path) -> Path:
-    copy = tmp_path / "pair"
-    shutil.copytree(tiny_pair, copy)
-    return copy
+def pair(pair_copy) -> Path:
+    return pair_copy
 
 
 def _config(pair: Path, tmp_path: Path, **overrides) -> Path:
@@ -31,11 +29,7 @@ def _config(pair: Path, tmp_path: Path, **overrides) -> Path:
 
 
 def _one_error_line(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip() and not line.startswith("  warning")]
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr[-3000:])
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
-    return lines[0]
+    return one_error_line(result, ignore_warnings=True)
 
 
 def test_ipv6_bind_address_is_refused_by_check(tiny_pair, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_cli, tiny_config_dict, write_config
+from tests.conftest import one_error_line, run_cli, tiny_config_dict, write_config
 
 
 @pytest.mark.parametrize("stage", ["check", "convert", "build", "run", "schema"])
@@ -181,18 +181,10 @@ def test_bad_input_matrix(workspace, case):
     assert snapshot(engines) == before  # nothing added, removed or rewritten
 
 
-def _one_error_line(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr[-2000:])
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[:2000]
-    return lines[0]
-
-
 def test_engines_dir_naming_a_file(tiny_pair, tmp_path):
     config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="f"))
     not_a_dir = tmp_path / "engines"
     not_a_dir.write_text("x")
-    line = _one_error_line(run_cli("build", str(config), "--engines-dir", str(not_a_dir)))
+    line = one_error_line(run_cli("build", str(config), "--engines-dir", str(not_a_dir)))
     assert f"--engines-dir: {not_a_dir} is a file" in line, line
     assert not_a_dir.read_text() == "x"

@@ -13,15 +13,7 @@ import pytest
 
 from pipeline.chat import encode_chat, end_of_turn_ids
 from pipeline.cli import main
-from tests.conftest import run_cli
-
-
-def _one_error_line(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr[-3000:])
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
-    return lines[0]
+from tests.conftest import one_error_line, run_cli
 
 
 @pytest.mark.parametrize("option, value, expected", [
@@ -37,7 +29,7 @@ def test_run_refuses_what_the_server_refuses(tmp_path, option, value, expected):
     # the engines folder does not even exist: the values are refused before anything is loaded
     result = run_cli("run", "configs/tiny.yaml", "--engines-dir", str(tmp_path / "none"), "--prompt", "x",
                      option, value)
-    line = _one_error_line(result)
+    line = one_error_line(result)
     assert expected in line, line
 
 
@@ -50,13 +42,13 @@ def test_run_refuses_what_the_server_refuses(tmp_path, option, value, expected):
 def test_bad_prompts_file(tmp_path, content, expected):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes(content)
-    line = _one_error_line(run_cli("run", "configs/tiny.yaml", "--engines-dir", str(tmp_path / "none"),
+    line = one_error_line(run_cli("run", "configs/tiny.yaml", "--engines-dir", str(tmp_path / "none"),
                                    "--prompts-file", str(prompts)))
     assert f"--prompts-file: {prompts}" in line and expected in line, line
 
 
 def test_prompts_file_that_is_a_folder(tmp_path):
-    line = _one_error_line(run_cli("run", "configs/tiny.yaml", "--engines-dir", str(tmp_path / "none"),
+    line = one_error_line(run_cli("run", "configs/tiny.yaml", "--engines-dir", str(tmp_path / "none"),
                                    "--prompts-file", str(tmp_path)))
     assert "is a folder" in line, line
 

@@ -12,21 +12,13 @@ from hypothesis import given, settings, strategies as st
 from pipeline.config import load_config
 from pipeline.errors import ConfigError
 from pipeline.yaml_loader import MAX_ALIAS_NODES, MAX_DEPTH, MAX_YAML_BYTES
-from tests.conftest import run_cli
+from tests.conftest import one_error_line, run_cli
 
 VALID = """\
 name: ok
 target: {model: a/b}
 draft: {model: a/c}
 """
-
-
-def _one_error_line(result) -> str:
-    lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert result.returncode == 2, (result.returncode, result.stdout, result.stderr[-2000:])
-    assert "Traceback" not in result.stderr, result.stderr[-2000:]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[:2000]
-    return lines[0]
 
 
 def _alias_bomb(levels: int = 8) -> str:
@@ -57,7 +49,7 @@ def test_hostile_yaml_is_one_clear_line(tmp_path, case):
     path = tmp_path / "c.yaml"
     path.write_bytes(data)
     start = time.perf_counter()
-    line = _one_error_line(run_cli("check", str(path)))
+    line = one_error_line(run_cli("check", str(path)))
     assert time.perf_counter() - start < 20  # seconds, subprocess start included (the bomb took minutes)
     assert expected in line, line
     assert len(line) < 600, len(line)
@@ -78,14 +70,14 @@ def test_oversized_yaml_is_refused_fast_by_its_size(tmp_path):
 def test_config_path_that_is_not_a_regular_file(tmp_path):
     folder = tmp_path / "folder.yaml"
     folder.mkdir()
-    assert "is a folder, not a file" in _one_error_line(run_cli("check", str(folder)))
+    assert "is a folder, not a file" in one_error_line(run_cli("check", str(folder)))
     fifo = tmp_path / "fifo.yaml"
     os.mkfifo(fifo)
     start = time.perf_counter()
-    line = _one_error_line(run_cli("check", str(fifo), timeout=30))  # never opened: reading a FIFO would block
+    line = one_error_line(run_cli("check", str(fifo), timeout=30))  # never opened: reading a FIFO would block
     assert "is not a regular file (a FIFO" in line, line
     assert time.perf_counter() - start < 20
-    assert "not found" in _one_error_line(run_cli("check", str(tmp_path / "missing.yaml")))
+    assert "not found" in one_error_line(run_cli("check", str(tmp_path / "missing.yaml")))
 
 
 def test_anchors_and_aliases_within_limits_still_work(tmp_path):

@@ -54,20 +54,25 @@ class DistillSet:
                    data["topk_logprobs"].float(), data["row_offsets"])
 
 
+def _windows(sources: list, length: int, count: int, seed: int) -> list:
+    """``count`` slices of ``length`` items, each from a random source at a random place (seeded)."""
+    rng = random.Random(seed)
+    windows = []
+    for _ in range(count):
+        source = rng.choice(sources)
+        start = rng.randrange(len(source) - length)
+        windows.append(source[start:start + length])
+    return windows
+
+
 def text_prompts(tokenizer, texts: list[str], count: int, prompt_tokens: int, seed: int) -> list[list[int]]:
     """``count`` prompts of ``prompt_tokens`` tokens cut at random places from ``texts`` (local text, e.g. the
     Python standard library's sources)."""
-    rng = random.Random(seed)
     ids = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
     ids = [x for x in ids if len(x) > prompt_tokens]
     if not ids:
         raise ValueError(f"no text longer than {prompt_tokens} tokens to cut prompts from")
-    prompts = []
-    for _ in range(count):
-        source = rng.choice(ids)
-        start = rng.randrange(len(source) - prompt_tokens)
-        prompts.append(source[start:start + prompt_tokens])
-    return prompts
+    return _windows(ids, prompt_tokens, count, seed)
 
 
 # Tasks a chat model is asked about local text, so a chat target answers in its own chat voice (code, prose, JSON).
@@ -88,15 +93,12 @@ def chat_prompts(tokenizer, texts: list[str], count: int, seed: int, source: str
     ``texts``: for an instruct target, whose answers are what a draft will be asked to predict."""
     from ..chat import encode_chat
 
-    rng = random.Random(seed)
     sources = [text.splitlines() for text in texts if text.count("\n") > SNIPPET_LINES]
     if not sources:
         raise ValueError(f"no text longer than {SNIPPET_LINES} lines to cut prompts from")
     prompts = []
-    for i in range(count):
-        lines = rng.choice(sources)
-        start = rng.randrange(len(lines) - SNIPPET_LINES)
-        snippet = "\n".join(lines[start:start + SNIPPET_LINES]).strip("\n")
+    for i, lines in enumerate(_windows(sources, SNIPPET_LINES, count, seed)):
+        snippet = "\n".join(lines).strip("\n")
         task = CHAT_TASKS[i % len(CHAT_TASKS)]
         prompts.append(encode_chat(tokenizer, [{"role": "user", "content": task.format(snippet=snippet)}],
                                    source=source))

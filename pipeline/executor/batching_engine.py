@@ -88,10 +88,6 @@ class BatchingEngine:
         self._retire()
         return events
 
-    @property
-    def cost_ratio(self) -> float:
-        return self.costs.value
-
     # ---- the step's parts -----------------------------------------------------------------------------------------
 
     def _prefill(self, slot: int, request: SpecRequest) -> None:

@@ -74,10 +74,6 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
     def has_draft_model(self) -> bool:
         return self.draft is not None
 
-    @property
-    def cost_ratio(self) -> float:
-        return self.costs.value
-
     def _timed(self, role: str, per: int, call):
         start = time.perf_counter()
         out = call()
@@ -159,7 +155,7 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         lookup = [] if request.method == Method.DRAFT_MODEL else propose_ngram(
             request.sequence, k, self.ngram.min_match, self.ngram.max_match)
         if request.method == Method.NGRAM or (lookup and request.method == Method.NGRAM_DRAFT and prefer_lookup(
-                request, len(lookup), k, self.cost_ratio)):
+                request, len(lookup), k, self.costs.value)):
             return (Method.NGRAM, lookup) if lookup else (None, [])
         return Method.DRAFT_MODEL, []
 

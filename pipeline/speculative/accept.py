@@ -88,12 +88,13 @@ def accept_rejection(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     keep = drafted & (draft_p > 0) & (uniforms[:, :k] * draft_p < target_p)  # [B, K]
     num_accepted = _prefix_length(keep)  # [B]
 
-    # A bonus position has no draft distribution: a zero row makes the residual equal to the target itself.
-    draft_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
-    draft_padded = draft_padded * (num_accepted < num_draft)[:, None, None]  # all kept: the next one is a bonus
     rows = torch.arange(batch, device=device)
     target_at = target_probs[rows, num_accepted]  # [B, V]
-    residual = (target_at - draft_padded[rows, num_accepted]).clamp_min(0)  # [B, V]
+    # At a rejection the draft's distribution there is subtracted; a bonus position (all of the row's draft tokens
+    # kept) has none, so its residual is the target itself.
+    rejected = (num_accepted < num_draft)[:, None]  # [B, 1]
+    draft_at = draft_probs[rows, num_accepted.clamp_max(k - 1)] * rejected if k else torch.zeros_like(target_at)
+    residual = (target_at - draft_at).clamp_min(0)  # [B, V]
     mass = residual.sum(dim=-1, keepdim=True)  # [B, 1]
     # A zero residual only arises when the rejected token had draft probability 0 and the rest matched: the target
     # distribution is then the right one to draw from.
