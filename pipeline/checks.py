@@ -108,6 +108,27 @@ def architecture(hf_config: dict) -> str:
     return archs[0] if archs else f"<{hf_config.get('model_type', 'unknown')}>"
 
 
+def _check_draft_vocab(hf_config: dict, vocab_size, backend: str, report: CheckReport) -> None:
+    """A train-draft --vocab draft: its recorded token ids are valid, and what each backend does with them."""
+    from .draft_vocab import CONFIG_KEY, check_ids
+
+    ids = hf_config.get(CONFIG_KEY)
+    if ids is None:
+        return
+    problem = check_ids(ids, vocab_size if isinstance(vocab_size, int) else 0)
+    if problem:
+        report.errors.append(f"draft.model: {CONFIG_KEY} in its config.json {problem}; retrain the draft with "
+                             f"train-draft --vocab, or delete the key to draft over the whole vocabulary")
+    elif backend == "torch":
+        report.ok.append(f"draft.model: LM head over {len(ids)} of {vocab_size} tokens ({CONFIG_KEY}): the draft "
+                         f"computes only those logits and never proposes other tokens (lossless)")
+    else:
+        report.warnings.append(f"draft.model: {CONFIG_KEY} ({len(ids)} of {vocab_size} tokens) is not used by the "
+                               f"trtllm backend: the draft engine is built with the checkpoint's whole LM head, whose "
+                               f"rows outside those tokens were not trained (still lossless: the target verifies "
+                               f"its tokens as any draft's; acceptance may be lower than on the torch backend)")
+
+
 def _check_architecture(model: ResolvedModel, hf_config: dict, backend: str, report: CheckReport) -> None:
     arch = architecture(hf_config)
     if backend == "trtllm":
@@ -192,6 +213,9 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     if t_vocab != d_vocab and not tokenizer_problems and not short:
         report.warnings.append(f"embedding rows differ (target {t_vocab}, draft {d_vocab}) although the tokenizers "
                                f"match; only the shared ids are compared")
+
+    if "draft" in models:
+        _check_draft_vocab(hf_configs["draft"], d_vocab, config.backend, report)
 
     limits = {role: max_positions(hf_configs[role]) for role in config.roles}
     build, report.defaults = resolve_build_limits(config.build, limits)

@@ -22,6 +22,7 @@ num_attention_heads
 num_key_value_heads
 intermediate_size
 agreement  # pipeline/distill/train.py EvalResult: the training history (distill.json) holds it via asdict()
+coverage  # the same, and the training plot reads it from the history
 
 # Settings read by the library that owns the object: reprlib.Repr (pipeline/errors.py), transformers models and
 # configs (pipeline/gguf.py, scripts/), tokenizers (pipeline/tinymodels.py), torch, zipfile.

@@ -14,6 +14,7 @@ FORBIDDEN = {
     "speculative": {"*"},  # pure tensor code: imports nothing else of the package
     "methods": {"*"},
     "errors": {"*"},
+    "draft_vocab": {"*"},  # model-level tensor code: executor, distill and checks read it
     "executor": {"bench", "triton", "cli", "run_cmd", "stages", "chat", "prompt_files"},
     "backends": {"executor", "bench", "triton", "cli", "run_cmd", "stages"},
     "engine_info": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages"},

@@ -43,6 +43,7 @@ class DraftProfile:
     best_speedup: float = 0.0
     method: Method = Method.DRAFT_MODEL  # the speculative.method this candidate is
     draft_step_share: float = 1.0  # ngram+draft: share of speculative steps the draft model proposed
+    dtype: str = ""  # the dtype the draft ran in (its cost ratio c depends on it); "" for lookups
 
     def reasoning(self) -> str:
         if self.status != "ok":
@@ -59,8 +60,10 @@ class DraftProfile:
 
 
 def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, prompts: list[str | list[int]],
-                  k_max: int, max_new_tokens: int, device: str, dtype: str, cost_repeats: int = 15) -> DraftProfile:
-    """Measure one candidate; a draft whose tokenizer differs comes back 'incompatible' instead of raising."""
+                  k_max: int, max_new_tokens: int, device: str, dtype: str, cost_repeats: int = 15,
+                  draft_dtype: str | None = None) -> DraftProfile:
+    """Measure one candidate (in ``draft_dtype``, default the target's ``dtype``); a draft whose tokenizer differs
+    comes back 'incompatible' instead of raising."""
     from ..executor import RequestError, SpeculativeExecutor
     from .runner import fit_prompt
     from .timing import measure_costs
@@ -69,7 +72,7 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
         return DraftProfile(draft_name, "unavailable", "not found")
     try:
         executor = SpeculativeExecutor.from_pretrained(target_path, draft_path, max_draft_len=k_max, device=device,
-                                                       dtype=dtype)
+                                                       dtype=dtype, draft_dtype=draft_dtype)
     except RequestError as exc:  # from_pretrained's tokenizer comparison
         return DraftProfile(draft_name, "incompatible", str(exc))
     except PipelineError as exc:
@@ -86,7 +89,8 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
     speedups = speedups_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     best_k, best_speedup = best_k_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     return DraftProfile(draft_name, "ok", "", stats.acceptance_rate, survival, costs.cost_ratio_c,
-                        costs.verify_cost_ratio, speedups, best_k, best_speedup)
+                        costs.verify_cost_ratio, speedups, best_k, best_speedup,
+                        dtype=str(next(executor.draft.model.parameters()).dtype).removeprefix("torch."))
 
 
 def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int, max_new_tokens: int, device: str,
@@ -112,13 +116,14 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int
 
 
 def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str | list[int]],
-                   k_max: int, max_new_tokens: int, device: str, dtype: str) -> DraftProfile:
+                   k_max: int, max_new_tokens: int, device: str, dtype: str,
+                   draft_dtype: str | None = None) -> DraftProfile:
     """ngram+draft at K = k_max, costed with the draft's measured c and verify cost."""
     from ..executor import SpeculativeExecutor
     from .runner import fit_prompt
 
     executor = SpeculativeExecutor.from_pretrained(target_path, draft_path, max_draft_len=k_max, device=device,
-                                                   dtype=dtype, method=Method.NGRAM_DRAFT)
+                                                   dtype=dtype, method=Method.NGRAM_DRAFT, draft_dtype=draft_dtype)
     ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
     stats = _total(executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max))
     steps = stats.target_steps
@@ -129,7 +134,8 @@ def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, pro
     cost_per_step = verify + (draft_steps / steps) * k_max * draft.cost_ratio_c
     speedup = (stats.generated_tokens / steps) / cost_per_step
     return DraftProfile(f"ngram+{draft.draft}", "ok", "", stats.acceptance_rate, [], draft.cost_ratio_c,
-                        draft.verify_cost_ratio, [], k_max, speedup, method=Method.NGRAM_DRAFT, draft_step_share=share)
+                        draft.verify_cost_ratio, [], k_max, speedup, method=Method.NGRAM_DRAFT, draft_step_share=share,
+                        dtype=draft.dtype)
 
 
 def _total(results):
@@ -165,14 +171,15 @@ def recommendation(profiles: list[DraftProfile]) -> str:
 
 
 def format_profiles(profiles: list[DraftProfile]) -> str:
-    header = ["draft", "status", "accept", "c", "best K", "speedup", "expected speedup K=1.."]
+    header = ["draft", "status", "dtype", "accept", "c", "best K", "speedup", "expected speedup K=1.."]
     rows = []
     for p in profiles:
         if p.status == "ok":
-            rows.append([p.draft, p.status, f"{p.acceptance_rate:.2f}", f"{p.cost_ratio_c:.3f}", str(p.best_k),
+            rows.append([p.draft, p.status, p.dtype or "-", f"{p.acceptance_rate:.2f}", f"{p.cost_ratio_c:.3f}",
+                         str(p.best_k),
                          f"{p.best_speedup:.2f}x", " ".join(f"{s:.2f}" for s in p.expected_speedup)])
         else:
-            rows.append([p.draft, p.status, "-", "-", "-", "-", "-"])
+            rows.append([p.draft, p.status, "-", "-", "-", "-", "-", "-"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header] + rows)
 
@@ -190,6 +197,19 @@ def _resolve_draft(name: str, config) -> Path | None:
         return resolve_model(spec, "draft", config.base_dir if own else Path.cwd()).path
     except ModelError:
         return None
+
+
+def _draft_dtype(name: str, path: Path | None, config, device: str) -> str | None:
+    """The dtype a build would run this candidate in: the config's choice for its own draft, else `dtype: auto`
+    on the candidate's checkpoint (a 16-bit draft stays 16-bit where this device runs that type natively)."""
+    from ..dtypes import checkpoint_dtype, resolve_dtype
+
+    if config.draft is not None and name == config.draft.model:
+        return config.draft.dtype
+    if path is None or not (path / "config.json").is_file():
+        return None
+    return resolve_dtype("auto", checkpoint_dtype(json.loads((path / "config.json").read_text())), "torch",
+                         device).dtype
 
 
 def cmd_profile(args) -> int:
@@ -221,11 +241,12 @@ def cmd_profile(args) -> int:
     names = args.draft or ([config.draft.model] if config.draft is not None else [])
     for name in tqdm(names, desc="profile", unit="draft"):
         path = _resolve_draft(name, config)
-        profiles.append(profile_draft(target, name, path, prompts, args.k_max,
-                                      args.max_new_tokens, device, config.target.dtype))
+        draft_dtype = _draft_dtype(name, path, config, device)
+        profiles.append(profile_draft(target, name, path, prompts, args.k_max, args.max_new_tokens, device,
+                                      config.target.dtype, draft_dtype=draft_dtype))
         if not args.no_ngram and profiles[-1].status == "ok":
             profiles.append(profile_hybrid(target, profiles[-1], path, prompts, args.k_max, args.max_new_tokens,
-                                           device, config.target.dtype))
+                                           device, config.target.dtype, draft_dtype=draft_dtype))
     if not args.no_ngram:
         profiles.append(profile_lookup(target, prompts, args.k_max, args.max_new_tokens, device,
                                        config.target.dtype))

@@ -2,7 +2,8 @@
 
 Writes a Hugging Face folder (``--out``; default ``models/<config name>-distilled-draft``) that a config's
 ``draft.model`` can name: the target's architecture with a subset of its layers, its tokenizer files, the trained
-weights, and ``distill.json`` (the layers it started from, the training history, the dataset's hash). Two stage
+weights, ``distill.json`` (the layers it started from, the training history, the dataset's hash) and
+``training.png`` (held-out acceptance as training went on). Two stage
 folders under ``engines/<name>/distill/``: ``dataset`` (the target's generations and top-k distributions,
 reused while the target, the prompts and the data options are unchanged) and ``state`` (checkpoints; ``--resume``
 continues a killed run from the last one). The output folder appears whole or not at all.
@@ -15,8 +16,9 @@ from pathlib import Path
 
 from ..errors import PipelineError
 
-DEFAULT_PROMPTS = 256  # prompts cut from local text when no --prompts file is given
+DEFAULT_PROMPTS = 256
 PROMPT_TOKENS = 48
+PLOT_FILE = "training.png"
 TOP_K = 32  # target probabilities kept per position (the rest of the mass is renormalised away)
 
 
@@ -27,8 +29,19 @@ def add_train_parser(sub, common) -> None:
     p.add_argument("--tokens", type=int, default=200_000, help="response tokens to train on (default 200000)")
     p.add_argument("--prompts", type=Path, help="prompt file (text lines, JSON, JSONL with text or messages); "
                    "default: prompts cut from the Python standard library's sources")
+    p.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS,
+                   help=f"prompts cut from local text when no --prompts file is given (default {DEFAULT_PROMPTS}); "
+                        f"more prompts, more distinct training data, longer generation")
     p.add_argument("--layers", type=int, help="decoder layers of the draft, taken from the target (default: a "
                    "quarter of the target's, at least 1)")
+    p.add_argument("--vocab", type=int, help="train the draft's LM head over only the N target tokens the target "
+                   "writes most (its head's cost drops by V/N; lossless: the draft proposes only those tokens). "
+                   "Default: the whole vocabulary")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="dtype the draft's weights are saved in (it trains in float32). A 16-bit draft costs about "
+                        "half as much per token where the device runs that type natively (dtype: auto then picks "
+                        "it; elsewhere auto upcasts it to float32). The target's output does not depend on the "
+                        "draft's dtype. Default float32")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt (default 64)")
     p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
     p.add_argument("--seed", type=int, default=0)
@@ -51,24 +64,26 @@ def _prompts(args, tokenizer, target_source: str) -> list[list[int]]:
 
     texts = read_text(stdlib_files(), 2_000_000)
     if has_chat_template(tokenizer):  # an instruct model: ask it things, as its users will
-        return chat_prompts(tokenizer, texts, DEFAULT_PROMPTS, args.seed, source=target_source)
-    return text_prompts(tokenizer, texts, DEFAULT_PROMPTS, PROMPT_TOKENS, args.seed)
+        return chat_prompts(tokenizer, texts, args.num_prompts, args.seed, source=target_source)
+    return text_prompts(tokenizer, texts, args.num_prompts, PROMPT_TOKENS, args.seed)
 
 
 def cmd_train_draft(args) -> int:
     from ..artifacts import canonical_hash, content_hashes, run_stage
     from ..config import load_config
     from ..layout import Layout
-    from ..models import load_causal_lm, load_tokenizer, resolve_model
+    from ..models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
     from .dataset import DistillSet, generate_dataset
     from .draft_init import default_layers, draft_from_target
+    from .plot import plot_history
     from .train import TrainOptions, train_draft
 
     if args.kind != "model":
         raise PipelineError("--kind medusa: this version trains draft models only (--kind model); Medusa heads "
                             "and tree verification are not implemented yet")
-    for name, value, low in (("--tokens", args.tokens, 1), ("--new-tokens", args.new_tokens, 1)):
-        if value < low:
+    for name, value, low in (("--tokens", args.tokens, 1), ("--new-tokens", args.new_tokens, 1),
+                             ("--vocab", args.vocab, 1), ("--num-prompts", args.num_prompts, 1)):
+        if value is not None and value < low:
             raise PipelineError(f"{name}: {value} must be >= {low}")
     config = load_config(args.config)
     layout = Layout.for_config(config, args.engines_dir)
@@ -95,22 +110,32 @@ def cmd_train_draft(args) -> int:
                            or {"prompts": len(prompts)})
     print(f"dataset {data_stage.status}: {data_stage.path}")
     data = DistillSet.load(data_stage.path)
-    options = TrainOptions(tokens=args.tokens, lr=args.lr, seed=args.seed)
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    if args.vocab is not None and args.vocab > vocab_size:
+        raise PipelineError(f"--vocab: {args.vocab} is above the target's {vocab_size} tokens; give fewer, or leave "
+                            f"--vocab out to keep the whole vocabulary")
+    options = TrainOptions(tokens=args.tokens, lr=args.lr, seed=args.seed, vocab=args.vocab)
     train_inputs = {"dataset": data_stage.manifest["input_key"], "layers": layers}
 
     def produce(tmp: Path) -> dict:
         draft = draft_from_target(target, layers)
         history = train_draft(draft, data, options, state_dir=layout.distill_dir("state"), resume=args.resume)
-        draft.save_pretrained(tmp, safe_serialization=True)
+        draft.to(torch_dtype(args.dtype)).save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        report = {"target": config.target.model, "layers_from_target": layers, "history": history}
+        report = {"target": config.target.model, "layers_from_target": layers, "dtype": args.dtype,
+                  "history": history}
         (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_history(history, tmp / PLOT_FILE, f"{config.name}: draft from layers {layers} of the target"
+                     + (f", head over {args.vocab} tokens" if args.vocab else ""))
         return {"layers_from_target": layers, "final_eval": history["evals"][-1]}
 
-    result = run_stage("train", "draft", Path(out), train_inputs, {"options": options.__dict__}, produce)
+    result = run_stage("train", "draft", Path(out), train_inputs, {"options": options.__dict__, "dtype": args.dtype},
+                       produce)
     final = result.manifest.get("final_eval") or {}
+    head = f"; head over {args.vocab} of {vocab_size} tokens, covering {final.get('coverage', 1):.1%} of " \
+           f"the target's probability" if args.vocab else ""
     print(f"draft {result.status}: {result.path} ({len(layers)} of the target's "
-          f"{target.config.num_hidden_layers} layers: {layers}); held-out acceptance {final.get('acceptance', 0):.3f}, "
-          f"greedy agreement {final.get('agreement', 0):.3f}")
+          f"{target.config.num_hidden_layers} layers: {layers}{head}); held-out acceptance "
+          f"{final.get('acceptance', 0):.3f}, greedy agreement {final.get('agreement', 0):.3f}")
     print(f"name it in a config: draft: {{model: {result.path}}}")
     return 0

@@ -107,7 +107,7 @@ def chat_prompts(tokenizer, texts: list[str], count: int, seed: int, source: str
 
 @torch.no_grad()  # not inference_mode: training reads these tensors under autograd
 def generate_dataset(target, tokenizer, prompts: list[list[int]], new_tokens: int, top_k: int, seed: int,
-                     batch_size: int = 8, stop_ids: list[int] | None = None) -> DistillSet:
+                     batch_size: int = 16, stop_ids: list[int] | None = None) -> DistillSet:
     """The target's responses to ``prompts`` and its top-k distributions along them (see the module docstring);
     ``stop_ids`` end a response early (a chat's end of turn), as they will when the draft serves."""
     from ..executor import SpeculativeExecutor

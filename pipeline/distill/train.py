@@ -8,6 +8,11 @@ starts as a slice of the target is most of the vocabulary; the KL's gradient pul
 probability. What is reported is what speculation gets: on held-out sequences, the greedy agreement (the draft's
 top token is the target's) and the sampled acceptance sum_x min(target(x), draft(x)) over the target's top-k.
 
+With ``vocab`` set, the draft's head is trained over the ``vocab`` target tokens with the most target probability
+along the training sequences (pipeline/draft_vocab.py): the loss, the normalisation and the acceptance are all taken
+over those tokens (the target's probability outside them counts as mass the draft cannot accept), and the ids are
+written to the draft's config so the executor computes only those logits.
+
 Deterministic for a seed: batches come from one seeded generator, whose state is checkpointed with the model, the
 optimiser and the step, so ``resume`` continues exactly where a killed run stopped.
 """
@@ -37,6 +42,7 @@ class TrainOptions:
     evals: int = 4  # evaluations over the run (after each quarter by default)
     checkpoint_every: int = 50  # steps
     seed: int = 0
+    vocab: int | None = None  # target tokens the draft's head covers (None: all of them)
 
 
 @dataclass
@@ -44,6 +50,47 @@ class EvalResult:
     agreement: float  # the draft's top token is the target's, per held-out position
     acceptance: float  # sum over the target's top-k of min(target, draft) (sampling at temperature 1)
     loss: float
+    coverage: float = 1.0  # share of the target's top-k probability on tokens the draft's head covers
+
+
+def frequent_ids(data: DistillSet, sequences: list[int], size: int, vocab_size: int) -> list[int]:
+    """The ``size`` of ``vocab_size`` target ids with the most target probability over the response positions of
+    ``sequences`` (ascending; ties go to the lower id)."""
+    mass = torch.zeros(vocab_size, dtype=torch.float64)
+    for s in sequences:
+        _, _, ids_k, logp_k = data.sequence(s)
+        mass.index_add_(0, ids_k.flatten(), logp_k.exp().flatten().double())
+    order = sorted(range(vocab_size), key=lambda i: (-float(mass[i]), i))[:size]
+    return sorted(order)
+
+
+class HeadRows:
+    """Which head rows the draft is trained on: all (``ids`` None) or a reduced vocabulary, and where each target
+    id sits among them."""
+
+    def __init__(self, ids: list[int] | None, vocab_size: int):
+        self.ids = None if ids is None else torch.tensor(ids, dtype=torch.long)
+        self.row_of = None
+        if ids is not None:
+            self.row_of = torch.full((vocab_size,), -1, dtype=torch.long)  # [V] target id -> head row, -1 outside
+            self.row_of[self.ids] = torch.arange(len(ids))
+
+    def logits(self, model, input_ids, mask):
+        """[B, L, N] logits over the covered rows (N = V without a reduced vocabulary)."""
+        if self.ids is None:
+            return model(input_ids=input_ids, attention_mask=mask).logits.float()
+        hidden = model.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state
+        head = model.get_output_embeddings()
+        ids = self.ids.to(hidden.device)
+        bias = None if getattr(head, "bias", None) is None else head.bias[ids]
+        return torch.nn.functional.linear(hidden, head.weight[ids], bias).float()
+
+    def rows(self, target_ids):
+        """Head row of each target id (-1 outside the reduced vocabulary)."""
+        return target_ids if self.row_of is None else self.row_of.to(target_ids.device)[target_ids]
+
+    def target_id(self, rows):
+        return rows if self.ids is None else self.ids.to(rows.device)[rows]
 
 
 def split(data: DistillSet, held_out: float, seed: int) -> tuple[list[int], list[int]]:
@@ -64,52 +111,77 @@ def _batch(data: DistillSet, chosen: list[int], device):
     return input_ids.to(device), mask.to(device), [(start, ids_k, logp_k) for _, start, ids_k, logp_k in rows]
 
 
-def _loss_terms(model, data: DistillSet, chosen: list[int], device):
-    """(mean KL, agreement count, acceptance sum, positions) over the response positions of ``chosen``."""
+def _loss_terms(model, data: DistillSet, chosen: list[int], device, head: HeadRows):
+    """(mean KL, agreement count, acceptance sum, covered mass sum, positions) over the response positions of
+    ``chosen``."""
     input_ids, mask, targets = _batch(data, chosen, device)
-    logits = model(input_ids=input_ids, attention_mask=mask).logits.float()  # [B, L, V]
-    kls, agree, accept, positions = [], 0.0, 0.0, 0
+    logits = head.logits(model, input_ids, mask)  # [B, L, N]
+    kls, agree, accept, covered, positions = [], 0.0, 0.0, 0.0, 0
     for r, (start, ids_k, logp_k) in enumerate(targets):
         n = ids_k.shape[0]
-        draft_logp = torch.log_softmax(logits[r, start - 1:start - 1 + n], dim=-1)  # [n, V]
+        draft_logp = torch.log_softmax(logits[r, start - 1:start - 1 + n], dim=-1)  # [n, N]
         ids_k, logp_k = ids_k.to(device), logp_k.to(device)
-        target_p = torch.softmax(logp_k, dim=-1)  # [n, k] renormalised over the top-k
-        draft_at = draft_logp.gather(-1, ids_k)  # [n, k]
-        kls.append((target_p * (torch.log(target_p.clamp_min(1e-12)) - draft_at)).sum(-1))
+        rows = head.rows(ids_k)  # [n, k]
+        inside = rows >= 0
+        draft_at = draft_logp.gather(-1, rows.clamp_min(0)).masked_fill(~inside, float("-inf"))  # [n, k]
+        # The target's top-k renormalised over the tokens the draft can propose; a position where it can propose
+        # none of them teaches nothing.
+        target_p = torch.softmax(logp_k.masked_fill(~inside, float("-inf")), dim=-1).nan_to_num(0.0)  # [n, k]
+        terms = torch.where(inside, target_p * (torch.log(target_p.clamp_min(1e-12)) - draft_at), 0.0)
+        kls.append(terms.sum(-1)[inside.any(-1)])
         with torch.no_grad():
-            agree += float((draft_logp.argmax(-1) == ids_k[:, 0]).sum())
+            agree += float((head.target_id(draft_logp.argmax(-1)) == ids_k[:, 0]).sum())
             accept += float(torch.minimum(logp_k.exp(), draft_at.exp()).sum())
+            top = logp_k.exp()
+            covered += float((top.masked_fill(~inside, 0.0).sum(-1) / top.sum(-1)).sum())
             positions += n
-    return torch.cat(kls).mean(), agree, accept, positions
+    kl = torch.cat(kls)
+    return (kl.mean() if kl.numel() else logits.sum() * 0.0), agree, accept, covered, positions
 
 
 @torch.no_grad()
-def evaluate(model, data: DistillSet, sequences: list[int], batch_size: int = 8) -> EvalResult:
+def evaluate(model, data: DistillSet, sequences: list[int], batch_size: int = 8,
+             head: HeadRows | None = None) -> EvalResult:
     model.eval()
     device = next(model.parameters()).device
-    agree = accept = loss = 0.0
+    head = head or HeadRows(None, 0)
+    agree = accept = covered = loss = 0.0
     positions = 0
     for first in range(0, len(sequences), batch_size):
-        kl, a, c, n = _loss_terms(model, data, sequences[first:first + batch_size], device)
-        agree, accept, loss, positions = agree + a, accept + c, loss + float(kl) * n, positions + n
-    return EvalResult(agree / max(positions, 1), accept / max(positions, 1), loss / max(positions, 1))
+        kl, a, c, m, n = _loss_terms(model, data, sequences[first:first + batch_size], device, head)
+        agree, accept, covered = agree + a, accept + c, covered + m
+        loss, positions = loss + float(kl) * n, positions + n
+    n = max(positions, 1)
+    return EvalResult(agree / n, accept / n, loss / n, covered / n)
 
 
 def train_draft(draft, data: DistillSet, options: TrainOptions, state_dir: Path | None = None,
                 resume: bool = False, stop_after: int | None = None) -> dict:
     """Train ``draft`` in place; returns the history (evaluations, tokens/s). ``state_dir`` keeps checkpoints for
-    ``resume``; ``stop_after`` ends the run after that many steps of this call (as a kill would, for tests)."""
+    ``resume``; ``stop_after`` ends the run after that many steps of this call (as a kill would, for tests).
+    With ``options.vocab`` the draft's config gets its ``draft_vocab`` (pipeline/draft_vocab.py)."""
+    from ..draft_vocab import CONFIG_KEY
+
     device = next(draft.parameters()).device
     train_set, held_set = split(data, options.held_out, options.seed)
     if not train_set:
         raise ValueError("train-draft: the dataset has no training sequences; give more prompts or tokens")
+    vocab_size = draft.get_output_embeddings().weight.shape[0]
+    ids = None
+    if options.vocab is not None:
+        if not 1 <= options.vocab <= vocab_size:
+            raise ValueError(f"--vocab: {options.vocab} must be between 1 and the target's {vocab_size} tokens")
+        ids = frequent_ids(data, train_set, options.vocab, vocab_size)
+        setattr(draft.config, CONFIG_KEY, ids)
+    head = HeadRows(ids, vocab_size)
     tokens_per_seq = sum(data.sequence(s)[2].shape[0] for s in train_set) / len(train_set)
     total_steps = max(1, math.ceil(options.tokens / (tokens_per_seq * options.batch_size)))
     optimiser = torch.optim.AdamW(draft.parameters(), lr=options.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: min(1.0, (step + 1) / options.warmup_steps)
                                                  * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0))))
     generator = torch.Generator().manual_seed(options.seed)
-    history = {"options": asdict(options), "total_steps": total_steps, "evals": []}
+    history = {"options": asdict(options), "total_steps": total_steps, "evals": [],
+               "tokens_per_step": round(tokens_per_seq * options.batch_size, 1)}
     step = 0
     state_file = state_dir / STATE_FILE if state_dir is not None else None
     if resume and state_file is not None and state_file.is_file():
@@ -123,14 +195,14 @@ def train_draft(draft, data: DistillSet, options: TrainOptions, state_dir: Path 
         generator.set_state(state["generator"])
         step, history = state["step"], state["history"]
     else:
-        history["evals"].append({"step": 0, **asdict(evaluate(draft, data, held_set))})
+        history["evals"].append({"step": 0, **asdict(evaluate(draft, data, held_set, head=head))})
     eval_every = max(1, total_steps // max(options.evals, 1))
     start, trained_tokens, ran = time.perf_counter(), 0, 0
     bar = tqdm(total=total_steps, initial=step, desc="train draft", unit="step")
     while step < total_steps and (stop_after is None or ran < stop_after):
         draft.train()
         picks = torch.randint(0, len(train_set), (options.batch_size,), generator=generator).tolist()
-        loss, _, _, positions = _loss_terms(draft, data, [train_set[i] for i in picks], device)
+        loss, _, _, _, positions = _loss_terms(draft, data, [train_set[i] for i in picks], device, head)
         optimiser.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
@@ -139,7 +211,7 @@ def train_draft(draft, data: DistillSet, options: TrainOptions, state_dir: Path 
         step, ran, trained_tokens = step + 1, ran + 1, trained_tokens + positions
         postfix = {"loss": f"{loss.item():.3f}", "tok/s": f"{trained_tokens / (time.perf_counter() - start):.0f}"}
         if step % eval_every == 0 or step == total_steps:
-            result = evaluate(draft, data, held_set)
+            result = evaluate(draft, data, held_set, head=head)
             history["evals"].append({"step": step, **asdict(result)})
             postfix["acceptance"] = f"{result.acceptance:.3f}"
         bar.set_postfix(postfix)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ..draft_vocab import logit_width, reduce_head
 from ..engine_info import EngineInfo, read_engine
 from ..errors import EngineError
 from ..layout import Layout
@@ -50,10 +51,11 @@ class SpeculativeExecutor(ExecutorBase):
             max_seq_len - 1 if max_seq_len else None)
         self.draft_len_limit = draft_len_limit  # K the engine was built for; None = no limit
         self.max_batch_size = max_batch_size
-        target_vocab = target_model.get_output_embeddings().weight.shape[0]
+        if draft_model is not None:
+            reduce_head(draft_model)  # a train-draft --vocab draft computes only its own tokens' logits
+        target_vocab = logit_width(target_model)
         # Padded embedding rows (e.g. Qwen 7B vs 0.5B) are not tokens: compare only ids both models have.
-        self.vocab_size = target_vocab if draft_model is None else \
-            min(target_vocab, draft_model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = target_vocab if draft_model is None else min(target_vocab, logit_width(draft_model))
         self.eos_token_ids = _eos_ids(target_model, tokenizer)
         self.engine = BatchingEngine(
             target_model, draft_model, device=self.device, max_batch=max_batch_size,
@@ -80,13 +82,14 @@ class SpeculativeExecutor(ExecutorBase):
                         acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None,
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                         compile: bool = False, method: str = Method.DRAFT_MODEL,
-                        ngram: NgramSettings | None = None) -> SpeculativeExecutor:
+                        ngram: NgramSettings | None = None, draft_dtype: str | None = None) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
-        ``draft`` may be None with ``method="ngram"``."""
+        ``draft`` may be None with ``method="ngram"``; ``draft_dtype`` (default ``dtype``): the draft's own."""
         from ..checks import compare_tokenizers, max_positions
 
         target_model, target_tok = _load(target, "target", dtype, trust_remote_code)
-        draft_model, draft_tok = _load(draft, "draft", dtype, trust_remote_code) if draft is not None else (None, None)
+        draft_model, draft_tok = _load(draft, "draft", draft_dtype or dtype, trust_remote_code) \
+            if draft is not None else (None, None)
         tokenizer = tokenizer or target_tok or draft_tok
         if target_tok is not None and draft_tok is not None:
             problems = compare_tokenizers(target_tok, draft_tok)

@@ -100,3 +100,24 @@ def test_profile_reads_chats(chat_engines, tmp_path, capsys):
     assert main(["profile", str(config), "--prompts", str(prompts), "--k-max", "2", "--max-new-tokens", "6",
                  "--no-ngram"]) == 0
     assert "recommend:" in capsys.readouterr().out
+
+
+def test_each_candidate_runs_in_the_dtype_a_build_would_give_it(tiny_pair, tmp_path):
+    """A 16-bit candidate (train-draft --dtype bfloat16) is measured in 16 bits where this CPU runs that natively,
+    as `dtype: auto` would build it; the config's own draft in the config's dtype."""
+    import shutil
+
+    from pipeline.bench.profile import _draft_dtype
+    from pipeline.config import load_config
+    from pipeline.dtypes import cpu_runs_natively
+
+    config = load_config(write_config(tmp_path, tiny_config_dict(tiny_pair, name="dtypes")))
+    own = config.draft.model
+    assert _draft_dtype(own, tiny_pair / "draft", config, "cpu") == "float32"
+    sixteen = shutil.copytree(tiny_pair / "draft", tmp_path / "bf16")
+    saved = json.loads((sixteen / "config.json").read_text())
+    (sixteen / "config.json").write_text(json.dumps({**saved, "dtype": "bfloat16"}))
+    assert _draft_dtype(str(sixteen), sixteen, config, "cpu") == \
+        ("bfloat16" if cpu_runs_natively("bfloat16") else "float32")
+    assert _draft_dtype(str(sixteen), sixteen, config, "cuda") in ("bfloat16", "float16")
+    assert _draft_dtype("missing", None, config, "cpu") is None

@@ -61,12 +61,54 @@ def test_a_trtllm_dry_run_builds_the_pair(trained, tiny_pair, capsys):
     assert "trtllm-build" in printed and str(out) in printed
 
 
+def test_a_reduced_vocabulary_16_bit_draft_checks_builds_and_stays_lossless(trained, tiny_pair, capsys):
+    """--vocab and --dtype: the ids reach the built engine through convert, `check` says what each backend does with
+    them, and the torch executor drafts over them only."""
+    from pipeline.draft_vocab import ReducedVocabHead, vocab_ids
+
+    folder, config, _, argv = trained
+    out = folder / "distilled-v64"
+    assert main(["train-draft", str(config), "--engines-dir", str(folder / "engines"), "--out", str(out),
+                 "--tokens", "2000", "--new-tokens", "24", "--vocab", "64", "--dtype", "bfloat16"]) == 0
+    assert "dataset up to date" in capsys.readouterr().out  # the data options are unchanged: no new generations
+    saved = json.loads((out / "config.json").read_text())
+    assert len(saved["draft_vocab"]) == 64 and saved["dtype"] == "bfloat16"
+    assert (out / "training.png").stat().st_size > 10_000
+
+    pair = write_config(folder, tiny_config_dict(tiny_pair, name="with-v64", draft={"model": str(out),
+                                                                                     "dtype": "float32"}))
+    assert main(["check", str(pair)]) == 0
+    assert "LM head over 64 of 512 tokens" in capsys.readouterr().out
+    engines = folder / "engines"
+    assert main(["build", str(pair), "--engines-dir", str(engines)]) == 0
+    from pipeline.run_cmd import load_executor
+
+    executor = load_executor(load_config(pair), engines)
+    draft = executor.draft.model
+    assert isinstance(draft.get_output_embeddings(), ReducedVocabHead) and len(vocab_ids(draft)) == 64
+    prompts = ["def main(", "import os\n", "class Parser:"]
+    speculative = executor.generate(prompts, 24)
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in executor.generate(prompts, 24,
+                                                                                       max_draft_len=0)]
+
+    on_trtllm = write_config(folder, tiny_config_dict(tiny_pair, name="v64-trtllm", backend="trtllm",
+                                                      draft={"model": str(out), "dtype": "float16"},
+                                                      target={"model": str(tiny_pair / "target"),
+                                                              "dtype": "float16"}))
+    capsys.readouterr()
+    main(["check", str(on_trtllm)])
+    printed = capsys.readouterr()
+    assert "is not used by the trtllm backend" in printed.out + printed.err
+
+
 def test_bad_values_are_one_line_errors(trained, capsys):
     _, config, _, _ = trained
     assert main(["train-draft", str(config), "--tokens", "0"]) == 2
     assert "--tokens: 0 must be >= 1" in capsys.readouterr().err
     assert main(["train-draft", str(config), "--kind", "medusa"]) == 2
     assert "draft models only" in capsys.readouterr().err
+    assert main(["train-draft", str(config), "--vocab", "513"]) == 2
+    assert "--vocab: 513 is above the target's 512 tokens" in capsys.readouterr().err
 
 
 def test_the_shipped_distilled_config_trains_its_draft_before_building():

@@ -79,3 +79,56 @@ def test_chat_prompts_ask_the_target_through_its_template(tiny_pair, tmp_path):
     assert all(text.startswith("user\n") and text.endswith("assistant\n") for text in decoded)
     assert all("line_" in text for text in decoded) and len(set(decoded)) == len(CHAT_TASKS)
     assert "JSON object" in decoded[3] and chat_prompts(tokenizer, texts, 6, seed=1) == prompts  # seeded
+
+
+def test_frequent_ids_are_the_tokens_with_the_most_target_probability(setup):
+    from pipeline.distill.train import frequent_ids
+
+    _, _, _, data = setup
+    sequences = list(range(data.sequences))
+    mass = torch.zeros(512, dtype=torch.float64)
+    for s in sequences:
+        _, _, ids_k, logp_k = data.sequence(s)
+        for i, p in zip(ids_k.flatten().tolist(), logp_k.exp().flatten().tolist()):
+            mass[i] += p
+    chosen = frequent_ids(data, sequences, 40, 512)
+    assert chosen == sorted(chosen) and len(chosen) == 40
+    assert float(mass[chosen].min()) >= float(mass[[i for i in range(512) if i not in chosen]].max())
+
+
+def test_a_reduced_vocabulary_draft_learns_and_serves_what_it_learnt(setup):
+    """Trained over its most frequent tokens only: the loss falls, the acceptance reaches what the vocabulary allows,
+    the config records the ids, the served head (pipeline/draft_vocab.py) gives exactly the logits training saw, and
+    speculative greedy output stays the target's."""
+    from pipeline.distill.train import HeadRows, frequent_ids
+    from pipeline.draft_vocab import CONFIG_KEY, reduce_head
+    from pipeline.executor import SpeculativeExecutor
+
+    target, tokenizer, prompts, data = setup
+    draft = draft_from_target(target, [2])  # the tiny target's last layer alone: a start with something to learn
+    train_set, held = split(data, 0.1, seed=0)
+    history = train_draft(draft, data, TrainOptions(tokens=6000, batch_size=8, lr=1e-3, vocab=VOCAB))
+    ids = getattr(draft.config, CONFIG_KEY)
+    assert ids == frequent_ids(data, train_set, VOCAB, 512)
+    first, last = history["evals"][0], history["evals"][-1]
+    assert last["loss"] < first["loss"] / 2 and 0.5 < last["coverage"] < 1.0 and last["agreement"] > 0.5
+    # Acceptance counts the target's top-k mass the draft matches: at most the mass on the draft's own tokens.
+    inside = torch.isin(torch.cat([data.sequence(s)[2] for s in held]), torch.tensor(ids))
+    reachable = float(torch.cat([data.sequence(s)[3] for s in held]).exp().masked_fill(~inside, 0).sum(-1).mean())
+    assert 0.95 * reachable < last["acceptance"] <= reachable + 1e-4
+
+    sequence = data.sequence(held[0])[0][None]
+    with torch.no_grad():
+        trained_on = HeadRows(ids, 512).logits(draft, sequence, torch.ones_like(sequence))  # [1, L, VOCAB]
+        reduce_head(draft)
+        served = draft(sequence).logits  # [1, L, 512]
+    assert torch.allclose(served[..., ids], trained_on, atol=1e-5)
+
+    executor = SpeculativeExecutor(target, draft, tokenizer, max_draft_len=3)
+    speculative = executor.generate(prompts[:4], 24)
+    plain = executor.generate(prompts[:4], 24, max_draft_len=0)
+    assert [r.token_ids for r in speculative] == [r.token_ids for r in plain]
+    assert sum(r.stats.accepted_tokens for r in speculative) > 0
+
+
+VOCAB = 12  # of the tiny target's 512: fewer than its top-k (16), so some target mass lies outside

@@ -163,7 +163,22 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_first_tokens_follow_the_targets_joint(target, draft, case):
     acceptance, k, sampling = CASES[case]
-    sampling = {"top_k": 0, "top_p": 1.0, **sampling}
+    check_first_tokens(target, draft, case, acceptance, k, {"top_k": 0, "top_p": 1.0, **sampling})
+
+
+def test_a_reduced_vocabulary_draft_keeps_the_targets_joint(target):
+    """A train-draft --vocab draft (pipeline/draft_vocab.py) proposes only its own tokens; the target's joint holds
+    and how often all K are kept follows the reduced draft's distributions, not the full head's."""
+    from pipeline.draft_vocab import CONFIG_KEY, reduce_head
+
+    draft = perturbed(target, seed=2, noise=0.2, sharpen=2.5)
+    setattr(draft.config, CONFIG_KEY, [0, 2, 3, 5, 6])
+    reduce_head(draft)
+    assert torch.isinf(draft(torch.tensor([PROMPTS[0]])).logits[0, -1, [1, 4, 7]]).all()
+    check_first_tokens(target, draft, "reduced_vocab", "rejection", 2, dict(temperature=0.9, top_k=0, top_p=1.0))
+
+
+def check_first_tokens(target, draft, case, acceptance, k, sampling):
     empirical, all_kept, stats = sample(executor_for(target, draft, k, acceptance), k, **sampling)
 
     # K was really in play: every request drafted K tokens in its first step, and both outcomes occurred.
