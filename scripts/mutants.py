@@ -26,13 +26,15 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/test_accept.py",
-                 "tests/executor/test_batching_engine.py::test_seeded_sampling_does_not_depend_on_neighbours"]
+                 "tests/executor/test_batching_engine.py::test_seeded_sampling_does_not_depend_on_neighbours",
+                 "tests/speculative/test_tree.py"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
 ENGINE = "pipeline/executor/batching_engine.py"
 DRAFT = "pipeline/executor/proposers/draft_model.py"
 ACCEPT = "pipeline/speculative/accept.py"
+TREE = "pipeline/speculative/tree.py"
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,18 @@ MUTANTS = [
            "num_accepted = _prefix_length(keep)  # [B]",
            "num_accepted = (_prefix_length(keep) - 1).clamp(min=0)  # [B]",
            "the accepted length drops the last accepted draft token"),
+    Mutant("tree_sibling_not_renormalised", TREE,
+           "keep = bool(uniforms[b, used] * total < residual[x])",
+           "keep = bool(uniforms[b, used] < residual[x])",
+           "a tree candidate is kept with probability r(x), not r(x) / sum(r) after its siblings' rejections"),
+    Mutant("tree_rejected_sibling_kept", TREE,
+           "                residual[x] = 0.0\n",
+           "                pass\n",
+           "a rejected sibling's token stays in the residual the next sibling and the final draw use"),
+    Mutant("tree_greedy_own_argmax", TREE,
+           "ok[:, node] = ok[:, p] & (tokens[:, node] == target_argmax[:, p])",
+           "ok[:, node] = ok[:, p] & (tokens[:, node] == target_argmax[:, node])",
+           "a tree node is compared with the target's argmax after itself instead of after its parent"),
 ]
 
 

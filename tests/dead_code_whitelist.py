@@ -66,3 +66,13 @@ _.metrics_url
 TENSORRT_LLM_UNSET
 PREPROCESSING_UNSET
 
+
+# pipeline/speculative/tree.py: the Medusa tree rules, tested on their own (tests/speculative/test_tree.py) ahead
+# of the engine's medusa method, which will call them; delete these lines when it does.
+_.from_choices
+_.path_to
+candidate_tokens
+greedy_tree_accept
+uniforms_needed
+sampled_tree_accept
+tree_attention_bias

@@ -15,6 +15,7 @@ FORBIDDEN = {
     "methods": {"*"},
     "errors": {"*"},
     "draft_vocab": {"*"},  # model-level tensor code: executor, distill and checks read it
+    "medusa_heads": {"*"},
     "executor": {"bench", "triton", "cli", "run_cmd", "stages", "chat", "prompt_files"},
     "backends": {"executor", "bench", "triton", "cli", "run_cmd", "stages"},
     "engine_info": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages"},

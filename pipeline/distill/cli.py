@@ -7,6 +7,10 @@ weights, ``distill.json`` (the layers it started from, the training history, the
 folders under ``engines/<name>/distill/``: ``dataset`` (the target's generations and top-k distributions,
 reused while the target, the prompts and the data options are unchanged) and ``state`` (checkpoints; ``--resume``
 continues a killed run from the last one). The output folder appears whole or not at all.
+
+``--kind medusa`` trains Medusa heads on the frozen target instead, from the same dataset (``train_medusa.py``),
+into ``models/<config name>-medusa-heads`` in the layout TensorRT-LLM's Medusa converter reads
+(pipeline/medusa_heads.py), checkpoints in ``engines/<name>/distill/medusa-state``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from ..errors import PipelineError
 DEFAULT_PROMPTS = 256
 PROMPT_TOKENS = 48
 PLOT_FILE = "training.png"
+MODEL_LR = 3e-4
+MEDUSA_LR = 1e-3
 TOP_K = 32  # target probabilities kept per position (the rest of the mass is renormalised away)
 
 
@@ -43,11 +49,16 @@ def add_train_parser(sub, common) -> None:
                         "it; elsewhere auto upcasts it to float32). The target's output does not depend on the "
                         "draft's dtype. Default float32")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt (default 64)")
-    p.add_argument("--lr", type=float, default=3e-4, help="learning rate (default 3e-4)")
+    p.add_argument("--lr", type=float, help=f"learning rate (default {MODEL_LR} for a model, {MEDUSA_LR} for "
+                                            f"Medusa heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     p.add_argument("--kind", choices=("model", "medusa"), default="model",
-                   help="what to train: a draft model (default); medusa heads are not trained by this version")
+                   help="what to train: a draft model (default) or Medusa heads on the frozen target (written in the "
+                        "layout TensorRT-LLM's Medusa converter reads; default out models/<name>-medusa-heads)")
+    p.add_argument("--heads", type=int, default=4, help="--kind medusa: heads, head h predicting h + 2 tokens "
+                                                        "ahead (default 4)")
+    p.add_argument("--head-layers", type=int, default=1, help="--kind medusa: residual blocks per head (default 1)")
     p.set_defaults(func=cmd_train_draft)
 
 
@@ -69,53 +80,74 @@ def _prompts(args, tokenizer, target_source: str) -> list[list[int]]:
 
 
 def cmd_train_draft(args) -> int:
-    from ..artifacts import canonical_hash, content_hashes, run_stage
     from ..config import load_config
     from ..layout import Layout
-    from ..models import load_causal_lm, load_tokenizer, resolve_model, torch_dtype
-    from .dataset import DistillSet, generate_dataset
-    from .draft_init import default_layers, draft_from_target
-    from .plot import plot_history
-    from .train import TrainOptions, train_draft
+    from ..models import load_causal_lm, load_tokenizer, resolve_model
 
-    if args.kind != "model":
-        raise PipelineError("--kind medusa: this version trains draft models only (--kind model); Medusa heads "
-                            "and tree verification are not implemented yet")
     for name, value, low in (("--tokens", args.tokens, 1), ("--new-tokens", args.new_tokens, 1),
-                             ("--vocab", args.vocab, 1), ("--num-prompts", args.num_prompts, 1)):
+                             ("--vocab", args.vocab, 1), ("--num-prompts", args.num_prompts, 1),
+                             ("--heads", args.heads, 1), ("--head-layers", args.head_layers, 0)):
         if value is not None and value < low:
             raise PipelineError(f"{name}: {value} must be >= {low}")
+    if args.kind == "medusa":
+        for flag, value in (("--vocab", args.vocab), ("--layers", args.layers)):
+            if value is not None:
+                raise PipelineError(f"{flag}: applies to --kind model only; Medusa heads take --heads and "
+                                    f"--head-layers")
     config = load_config(args.config)
     layout = Layout.for_config(config, args.engines_dir)
-    out = args.out or Path("models") / f"{config.name}-distilled-draft"
     target_model = resolve_model(config.target, "target", config.base_dir, with_weights=True)
     tokenizer = load_tokenizer(target_model)
     target = load_causal_lm(target_model, "float32")
-    try:
-        layers = default_layers(target.config.num_hidden_layers,
-                                args.layers or max(1, target.config.num_hidden_layers // 4))
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
+    vocab_size = target.get_output_embeddings().weight.shape[0]
+    if args.vocab is not None and args.vocab > vocab_size:
+        raise PipelineError(f"--vocab: {args.vocab} is above the target's {vocab_size} tokens; give fewer, or leave "
+                            f"--vocab out to keep the whole vocabulary")
+    layers = None
+    if args.kind == "model":
+        from .draft_init import default_layers
+
+        try:
+            layers = default_layers(target.config.num_hidden_layers,
+                                    args.layers or max(1, target.config.num_hidden_layers // 4))
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
+    data, data_key = _dataset(args, config, layout, target_model, tokenizer, target)
+    if args.kind == "medusa":
+        return _train_medusa(args, config, layout, target, data, data_key)
+    return _train_model(args, config, layout, target, tokenizer, data, data_key, layers, vocab_size)
+
+
+def _dataset(args, config, layout, target_model, tokenizer, target):
+    """The target's generations for this target, prompts and data options: made once, then reused."""
+    from ..artifacts import canonical_hash, content_hashes, run_stage
+    from ..chat import end_of_turn_ids, has_chat_template
+    from .dataset import DistillSet, generate_dataset
+
     prompts = _prompts(args, tokenizer, config.target.model)
     target_hash = canonical_hash(content_hashes(target_model.path)) if not target_model.gguf_file \
         else target_model.gguf_sha256
     data_inputs = {"target": target_hash, "prompts": canonical_hash(prompts)}
     data_config = {"new_tokens": args.new_tokens, "top_k": TOP_K, "seed": args.seed}
-    from ..chat import end_of_turn_ids, has_chat_template
-
     stops = end_of_turn_ids(tokenizer) if has_chat_template(tokenizer) else []
     data_stage = run_stage("dataset", "draft", layout.distill_dir("dataset"), data_inputs, data_config,
                            lambda tmp: generate_dataset(target, tokenizer, prompts, args.new_tokens, TOP_K,
                                                         args.seed, stop_ids=stops).save(tmp)
                            or {"prompts": len(prompts)})
     print(f"dataset {data_stage.status}: {data_stage.path}")
-    data = DistillSet.load(data_stage.path)
-    vocab_size = target.get_output_embeddings().weight.shape[0]
-    if args.vocab is not None and args.vocab > vocab_size:
-        raise PipelineError(f"--vocab: {args.vocab} is above the target's {vocab_size} tokens; give fewer, or leave "
-                            f"--vocab out to keep the whole vocabulary")
-    options = TrainOptions(tokens=args.tokens, lr=args.lr, seed=args.seed, vocab=args.vocab)
-    train_inputs = {"dataset": data_stage.manifest["input_key"], "layers": layers}
+    return DistillSet.load(data_stage.path), data_stage.manifest["input_key"]
+
+
+def _train_model(args, config, layout, target, tokenizer, data, data_key, layers, vocab_size) -> int:
+    from ..artifacts import run_stage
+    from ..models import torch_dtype
+    from .draft_init import draft_from_target
+    from .plot import plot_history
+    from .train import TrainOptions, train_draft
+
+    out = args.out or Path("models") / f"{config.name}-distilled-draft"
+    options = TrainOptions(tokens=args.tokens, lr=args.lr or MODEL_LR, seed=args.seed, vocab=args.vocab)
+    train_inputs = {"dataset": data_key, "layers": layers}
 
     def produce(tmp: Path) -> dict:
         draft = draft_from_target(target, layers)
@@ -138,4 +170,35 @@ def cmd_train_draft(args) -> int:
           f"{target.config.num_hidden_layers} layers: {layers}{head}); held-out acceptance "
           f"{final.get('acceptance', 0):.3f}, greedy agreement {final.get('agreement', 0):.3f}")
     print(f"name it in a config: draft: {{model: {result.path}}}")
+    return 0
+
+
+def _train_medusa(args, config, layout, target, data, data_key) -> int:
+    from ..artifacts import run_stage
+    from ..medusa_heads import MedusaHeads
+    from ..models import torch_dtype
+    from .plot import plot_history
+    from .train_medusa import MedusaOptions, train_medusa
+
+    out = args.out or Path("models") / f"{config.name}-medusa-heads"
+    options = MedusaOptions(tokens=args.tokens, heads=args.heads, layers=args.head_layers,
+                            lr=args.lr or MEDUSA_LR, seed=args.seed)
+
+    def produce(tmp: Path) -> dict:
+        heads = MedusaHeads.from_target(target, options.heads, options.layers)
+        history = train_medusa(heads, target, data, options, state_dir=layout.distill_dir("medusa-state"),
+                               resume=args.resume)
+        heads.to(torch_dtype(args.dtype)).save(tmp, base_model=config.target.model)
+        report = {"target": config.target.model, "kind": "medusa", "dtype": args.dtype, "history": history}
+        (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
+        plot_history(history, tmp / PLOT_FILE, f"{config.name}: {options.heads} Medusa heads of "
+                                               f"{options.layers} layer(s)")
+        return {"final_eval": history["evals"][-1]}
+
+    result = run_stage("train", "medusa", Path(out), {"dataset": data_key},
+                       {"options": options.__dict__, "dtype": args.dtype}, produce)
+    final = result.manifest.get("final_eval") or {}
+    by_head = " ".join(f"{h['acceptance']:.3f}" for h in final.get("by_head", []))
+    print(f"medusa heads {result.status}: {result.path} ({options.heads} heads, {options.layers} layer(s) each); "
+          f"held-out acceptance by head [{by_head}]")
     return 0

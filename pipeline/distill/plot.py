@@ -18,6 +18,9 @@ def plot_history(history: dict, out: Path, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(tokens, [e["acceptance"] for e in evals], "o-", label="acceptance, sum min(target, draft)")
     ax.plot(tokens, [e["agreement"] for e in evals], "s--", label="greedy agreement (top-1 equal)")
+    for h in range(1, len(evals[0].get("by_head", []))):  # Medusa heads after the first, further ahead
+        ax.plot(tokens, [e["by_head"][h]["acceptance"] for e in evals], "o-", alpha=0.6,
+                label=f"head {h} acceptance ({h + 2} tokens ahead)")
     if any(e.get("coverage", 1.0) < 1.0 for e in evals):
         ax.plot(tokens, [e["coverage"] for e in evals], ":", color="grey",
                 label="target probability inside the draft's vocabulary (ceiling)")

@@ -13,23 +13,18 @@ along the training sequences (pipeline/draft_vocab.py): the loss, the normalisat
 over those tokens (the target's probability outside them counts as mass the draft cannot accept), and the ids are
 written to the draft's config so the executor computes only those logits.
 
-Deterministic for a seed: batches come from one seeded generator, whose state is checkpointed with the model, the
-optimiser and the step, so ``resume`` continues exactly where a killed run stopped.
+The loop itself (seeded batches, schedule, evaluations, resumable checkpoints) is ``loop.fit``.
 """
 
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .dataset import DistillSet
-
-STATE_FILE = "train_state.pt"
+from .loop import fit
 
 
 @dataclass(frozen=True)
@@ -111,30 +106,36 @@ def _batch(data: DistillSet, chosen: list[int], device):
     return input_ids.to(device), mask.to(device), [(start, ids_k, logp_k) for _, start, ids_k, logp_k in rows]
 
 
+def position_terms(logits, ids_k, logp_k, head: HeadRows):
+    """For n positions: the draft's logits [n, N] against the target's top-k ids and log-probs [n, k] ->
+    (KL per position that teaches something [m], agreement count, acceptance sum, covered-share sum)."""
+    draft_logp = torch.log_softmax(logits, dim=-1)  # [n, N]
+    rows = head.rows(ids_k)  # [n, k]
+    inside = rows >= 0
+    draft_at = draft_logp.gather(-1, rows.clamp_min(0)).masked_fill(~inside, float("-inf"))  # [n, k]
+    # The target's top-k renormalised over the tokens the draft can propose; a position where it can propose none
+    # of them teaches nothing.
+    target_p = torch.softmax(logp_k.masked_fill(~inside, float("-inf")), dim=-1).nan_to_num(0.0)  # [n, k]
+    terms = torch.where(inside, target_p * (torch.log(target_p.clamp_min(1e-12)) - draft_at), 0.0)
+    with torch.no_grad():
+        agree = float((head.target_id(draft_logp.argmax(-1)) == ids_k[:, 0]).sum())
+        accept = float(torch.minimum(logp_k.exp(), draft_at.exp()).sum())
+        top = logp_k.exp()
+        covered = float((top.masked_fill(~inside, 0.0).sum(-1) / top.sum(-1)).sum())
+    return terms.sum(-1)[inside.any(-1)], agree, accept, covered
+
+
 def _loss_terms(model, data: DistillSet, chosen: list[int], device, head: HeadRows):
-    """(mean KL, agreement count, acceptance sum, covered mass sum, positions) over the response positions of
+    """(mean KL, agreement count, acceptance sum, covered-share sum, positions) over the response positions of
     ``chosen``."""
     input_ids, mask, targets = _batch(data, chosen, device)
     logits = head.logits(model, input_ids, mask)  # [B, L, N]
     kls, agree, accept, covered, positions = [], 0.0, 0.0, 0.0, 0
     for r, (start, ids_k, logp_k) in enumerate(targets):
         n = ids_k.shape[0]
-        draft_logp = torch.log_softmax(logits[r, start - 1:start - 1 + n], dim=-1)  # [n, N]
-        ids_k, logp_k = ids_k.to(device), logp_k.to(device)
-        rows = head.rows(ids_k)  # [n, k]
-        inside = rows >= 0
-        draft_at = draft_logp.gather(-1, rows.clamp_min(0)).masked_fill(~inside, float("-inf"))  # [n, k]
-        # The target's top-k renormalised over the tokens the draft can propose; a position where it can propose
-        # none of them teaches nothing.
-        target_p = torch.softmax(logp_k.masked_fill(~inside, float("-inf")), dim=-1).nan_to_num(0.0)  # [n, k]
-        terms = torch.where(inside, target_p * (torch.log(target_p.clamp_min(1e-12)) - draft_at), 0.0)
-        kls.append(terms.sum(-1)[inside.any(-1)])
-        with torch.no_grad():
-            agree += float((head.target_id(draft_logp.argmax(-1)) == ids_k[:, 0]).sum())
-            accept += float(torch.minimum(logp_k.exp(), draft_at.exp()).sum())
-            top = logp_k.exp()
-            covered += float((top.masked_fill(~inside, 0.0).sum(-1) / top.sum(-1)).sum())
-            positions += n
+        kl, a, c, m = position_terms(logits[r, start - 1:start - 1 + n], ids_k.to(device), logp_k.to(device), head)
+        kls.append(kl)
+        agree, accept, covered, positions = agree + a, accept + c, covered + m, positions + n
     kl = torch.cat(kls)
     return (kl.mean() if kl.numel() else logits.sum() * 0.0), agree, accept, covered, positions
 
@@ -175,56 +176,11 @@ def train_draft(draft, data: DistillSet, options: TrainOptions, state_dir: Path 
         setattr(draft.config, CONFIG_KEY, ids)
     head = HeadRows(ids, vocab_size)
     tokens_per_seq = sum(data.sequence(s)[2].shape[0] for s in train_set) / len(train_set)
-    total_steps = max(1, math.ceil(options.tokens / (tokens_per_seq * options.batch_size)))
-    optimiser = torch.optim.AdamW(draft.parameters(), lr=options.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimiser, lambda step: min(1.0, (step + 1) / options.warmup_steps)
-                                                 * 0.5 * (1 + math.cos(math.pi * min(step / total_steps, 1.0))))
-    generator = torch.Generator().manual_seed(options.seed)
-    history = {"options": asdict(options), "total_steps": total_steps, "evals": [],
-               "tokens_per_step": round(tokens_per_seq * options.batch_size, 1)}
-    step = 0
-    state_file = state_dir / STATE_FILE if state_dir is not None else None
-    if resume and state_file is not None and state_file.is_file():
-        state = torch.load(state_file, weights_only=False)
-        if state["options"] != asdict(options):
-            raise ValueError(f"--resume: {state_file} was written with other training options; rerun without "
-                             f"--resume to start over")
-        draft.load_state_dict(state["model"])
-        optimiser.load_state_dict(state["optimiser"])
-        schedule.load_state_dict(state["schedule"])
-        generator.set_state(state["generator"])
-        step, history = state["step"], state["history"]
-    else:
-        history["evals"].append({"step": 0, **asdict(evaluate(draft, data, held_set, head=head))})
-    eval_every = max(1, total_steps // max(options.evals, 1))
-    start, trained_tokens, ran = time.perf_counter(), 0, 0
-    bar = tqdm(total=total_steps, initial=step, desc="train draft", unit="step")
-    while step < total_steps and (stop_after is None or ran < stop_after):
-        draft.train()
-        picks = torch.randint(0, len(train_set), (options.batch_size,), generator=generator).tolist()
-        loss, _, _, _, positions = _loss_terms(draft, data, [train_set[i] for i in picks], device, head)
-        optimiser.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimiser.step()
-        schedule.step()
-        step, ran, trained_tokens = step + 1, ran + 1, trained_tokens + positions
-        postfix = {"loss": f"{loss.item():.3f}", "tok/s": f"{trained_tokens / (time.perf_counter() - start):.0f}"}
-        if step % eval_every == 0 or step == total_steps:
-            result = evaluate(draft, data, held_set, head=head)
-            history["evals"].append({"step": step, **asdict(result)})
-            postfix["acceptance"] = f"{result.acceptance:.3f}"
-        bar.set_postfix(postfix)
-        bar.update(1)
-        if state_file is not None and (step % options.checkpoint_every == 0 or step == total_steps):
-            state_dir.mkdir(parents=True, exist_ok=True)
-            tmp = state_file.with_suffix(".tmp")
-            torch.save({"options": asdict(options), "model": draft.state_dict(), "optimiser": optimiser.state_dict(),
-                        "schedule": schedule.state_dict(), "generator": generator.get_state(), "step": step,
-                        "history": history}, tmp)
-            tmp.replace(state_file)  # a kill mid-write leaves the previous checkpoint whole
-    bar.close()
-    draft.eval()
-    history["finished"] = step >= total_steps
-    history["tokens_per_s"] = round(trained_tokens / max(time.perf_counter() - start, 1e-9), 1)
-    return history
+
+    def step_loss(chosen: list[int]):
+        loss, _, _, _, positions = _loss_terms(draft, data, chosen, device, head)
+        return loss, positions
+
+    return fit(draft, options, train_set, tokens_per_seq, step_loss,
+               lambda: asdict(evaluate(draft, data, held_set, head=head)), state_dir=state_dir, resume=resume,
+               stop_after=stop_after, desc="train draft")

@@ -105,8 +105,8 @@ def test_bad_values_are_one_line_errors(trained, capsys):
     _, config, _, _ = trained
     assert main(["train-draft", str(config), "--tokens", "0"]) == 2
     assert "--tokens: 0 must be >= 1" in capsys.readouterr().err
-    assert main(["train-draft", str(config), "--kind", "medusa"]) == 2
-    assert "draft models only" in capsys.readouterr().err
+    assert main(["train-draft", str(config), "--heads", "0", "--kind", "medusa"]) == 2
+    assert "--heads: 0 must be >= 1" in capsys.readouterr().err
     assert main(["train-draft", str(config), "--vocab", "513"]) == 2
     assert "--vocab: 513 is above the target's 512 tokens" in capsys.readouterr().err
 
