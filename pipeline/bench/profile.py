@@ -89,8 +89,7 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
     speedups = speedups_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     best_k, best_speedup = best_k_from_survival(survival, costs.cost_ratio_c, costs.verify_cost_ratio)
     return DraftProfile(draft_name, "ok", "", stats.acceptance_rate, survival, costs.cost_ratio_c,
-                        costs.verify_cost_ratio, speedups, best_k, best_speedup,
-                        dtype=str(next(executor.draft.model.parameters()).dtype).removeprefix("torch."))
+                        costs.verify_cost_ratio, speedups, best_k, best_speedup, dtype=draft_dtype or dtype)
 
 
 def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int, max_new_tokens: int, device: str,
@@ -176,8 +175,7 @@ def format_profiles(profiles: list[DraftProfile]) -> str:
     for p in profiles:
         if p.status == "ok":
             rows.append([p.draft, p.status, p.dtype or "-", f"{p.acceptance_rate:.2f}", f"{p.cost_ratio_c:.3f}",
-                         str(p.best_k),
-                         f"{p.best_speedup:.2f}x", " ".join(f"{s:.2f}" for s in p.expected_speedup)])
+                         str(p.best_k), f"{p.best_speedup:.2f}x", " ".join(f"{s:.2f}" for s in p.expected_speedup)])
         else:
             rows.append([p.draft, p.status, "-", "-", "-", "-", "-", "-"])
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]

@@ -55,8 +55,8 @@ def frequent_ids(data: DistillSet, sequences: list[int], size: int, vocab_size: 
     for s in sequences:
         _, _, ids_k, logp_k = data.sequence(s)
         mass.index_add_(0, ids_k.flatten(), logp_k.exp().flatten().double())
-    order = sorted(range(vocab_size), key=lambda i: (-float(mass[i]), i))[:size]
-    return sorted(order)
+    heaviest = torch.sort(-mass, stable=True).indices[:size]  # stable: among equal masses the lower id first
+    return sorted(heaviest.tolist())
 
 
 class HeadRows:
@@ -94,7 +94,7 @@ def split(data: DistillSet, held_out: float, seed: int) -> tuple[list[int], list
     return order[cut:], order[:cut]
 
 
-def _batch(data: DistillSet, chosen: list[int], device):
+def padded_batch(data: DistillSet, chosen: list[int], device):
     """Right-padded ids [B, L], attention mask [B, L], and per row (positions predicting its response, top-k)."""
     rows = [data.sequence(s) for s in chosen]
     width = max(len(ids) for ids, _, _, _ in rows)
@@ -128,7 +128,7 @@ def position_terms(logits, ids_k, logp_k, head: HeadRows):
 def _loss_terms(model, data: DistillSet, chosen: list[int], device, head: HeadRows):
     """(mean KL, agreement count, acceptance sum, covered-share sum, positions) over the response positions of
     ``chosen``."""
-    input_ids, mask, targets = _batch(data, chosen, device)
+    input_ids, mask, targets = padded_batch(data, chosen, device)
     logits = head.logits(model, input_ids, mask)  # [B, L, N]
     kls, agree, accept, covered, positions = [], 0.0, 0.0, 0.0, 0
     for r, (start, ids_k, logp_k) in enumerate(targets):

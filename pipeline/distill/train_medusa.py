@@ -17,7 +17,7 @@ import torch
 from ..medusa_heads import MedusaHeads
 from .dataset import DistillSet
 from .loop import fit
-from .train import HeadRows, _batch, position_terms, split
+from .train import HeadRows, padded_batch, position_terms, split
 
 
 @dataclass(frozen=True)
@@ -36,7 +36,7 @@ class MedusaOptions:
 
 def _head_terms(heads: MedusaHeads, target, data: DistillSet, chosen: list[int], device):
     """(mean KL over every head's positions, per head [agreement, acceptance, positions], positions)."""
-    input_ids, mask, targets = _batch(data, chosen, device)
+    input_ids, mask, targets = padded_batch(data, chosen, device)
     with torch.no_grad():
         hidden = target.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()  # [B, L, d]
     whole = HeadRows(None, 0)
