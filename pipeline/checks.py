@@ -191,7 +191,9 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
                                      f"are broken, re-download or re-convert the model")
         _check_architecture(models[role], hf_configs[role], config.backend, report)
 
-    if "draft" not in models:
+    if config.speculative.method.needs_medusa_heads:
+        _check_medusa(config, hf_configs["target"], report)
+    elif "draft" not in models:
         report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
     tokenizers = {role: load_tokenizer(models[role]) for role in models} if "draft" in models else {}
     tokenizer_problems = compare_tokenizers(tokenizers["target"], tokenizers["draft"]) if tokenizers else []
@@ -249,6 +251,25 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     if problem := bind_address_problem(config.serve.bind_address):
         report.errors.append(problem)
     return report
+
+
+def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:
+    """The heads folder fits the target and the configured counts; what each backend does with the tree."""
+    from .medusa_heads import heads_problems
+
+    medusa = config.speculative.medusa
+    text = target_cfg.get("text_config") or target_cfg
+    problems = heads_problems(config.medusa_dir(), medusa.heads, medusa.layers, text.get("hidden_size"),
+                              text.get("vocab_size"))
+    report.errors.extend(problems)
+    tree = medusa.tree()
+    name = medusa.choices if isinstance(medusa.choices, str) else "from the config"
+    if not problems:
+        report.ok.append(f"speculative.method: medusa ({medusa.heads} heads of {medusa.layers} layer(s); tree "
+                         f"{name}: {tree.size - 1} nodes, depth {tree.max_depth}, top-k per depth {tree.top_k()})")
+    if config.backend == "trtllm":
+        report.warnings.append("speculative.method: medusa on trtllm verifies greedily only (TensorRT-LLM 1.1.0 "
+                               "Medusa); sampled requests are refused there, the torch backend samples losslessly")
 
 
 def _check_parallel(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:

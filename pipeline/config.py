@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .errors import ConfigError, short_repr
 from .methods import Method, NgramSettings
+from .speculative.tree import TokenTree
+from .speculative.tree_choices import DEFAULT_TREE, NAMED_TREES
 
 # K beyond this gives no measurable benefit (acceptance decays geometrically with position) and TensorRT-LLM's
 # draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
@@ -24,6 +26,9 @@ MAX_DRAFT_LEN_LIMIT = 16
 # never beyond this: KV-cache and engine buffers grow with it, and a 128k-position model (Llama 3.1) would
 # otherwise reserve them for 128k-token sequences on every build. 8192 covers typical prompts plus completions.
 DEFAULT_MAX_SEQ_LEN_CAP = 8192
+
+# TensorRT-LLM sizes a Medusa engine's draft buffers by the tree's node count (--max_medusa_token_len, default 63).
+MAX_MEDUSA_NODES = 63
 
 # The one-line error lists this many problems at most (a hostile file can hold thousands).
 MAX_LISTED_ERRORS = 8
@@ -78,6 +83,49 @@ class NgramSpec(_Section):
         return NgramSettings(self.min_match, self.max_match)
 
 
+class MedusaSpec(_Section):
+    """Medusa heads on the target (``speculative.method: medusa``): a tree of candidates from the heads' top-k per
+    depth, verified in one target forward."""
+
+    model: str = Field(description="Folder of the heads in FasterDecoding/Medusa's layout (medusa_lm_head.safetensors "
+                                   "and config.json), as `python -m pipeline train-draft CONFIG --kind medusa` "
+                                   "writes it; a relative path resolves against the config file's folder.")
+    heads: int = Field(4, ge=1, description="Heads in the folder; head h predicts the token h + 2 places ahead.")
+    layers: int = Field(1, ge=0, description="Residual blocks per head.")
+    choices: str | list[list[int]] = Field(
+        DEFAULT_TREE, description="The candidate tree: paths of ranks from the root ([[0], [0, 0], [1]]: head 0's "
+                                  "best and second-best token, and head 1's best after the first), or a named tree: "
+                                  + ", ".join(NAMED_TREES) + ". Its depth is at most `heads`.")
+
+    @field_validator("choices")
+    @classmethod
+    def _known_tree(cls, value):
+        if isinstance(value, str):
+            if value not in NAMED_TREES:
+                raise ValueError(f"is not a named tree; use one of {', '.join(NAMED_TREES)} or a list of paths "
+                                 f"such as [[0], [0, 0], [1]]")
+        else:
+            TokenTree.from_choices(value)  # raises naming the bad path
+        return value
+
+    @model_validator(mode="after")
+    def _depth_fits(self) -> MedusaSpec:
+        depth = self.tree().max_depth
+        if depth > self.heads:
+            raise ValueError(f"speculative.medusa.choices: the tree is {depth} deep but there are {self.heads} heads "
+                             f"(depth d uses head d); drop the deeper paths or train more heads")
+        if self.tree().size - 1 > MAX_MEDUSA_NODES:
+            raise ValueError(f"speculative.medusa.choices: {self.tree().size - 1} nodes, above {MAX_MEDUSA_NODES} "
+                             f"(TensorRT-LLM's --max_medusa_token_len default); use a smaller tree")
+        return self
+
+    def paths(self) -> list[list[int]]:
+        return NAMED_TREES[self.choices] if isinstance(self.choices, str) else self.choices
+
+    def tree(self) -> TokenTree:
+        return TokenTree.from_choices(self.paths())
+
+
 class SpeculativeSpec(_Section):
     method: Method = Field(
         Method.DRAFT_MODEL,
@@ -86,12 +134,21 @@ class SpeculativeSpec(_Section):
                     "promises more tokens per unit of cost; lookups only where a match exists). Changing it "
                     "rebuilds nothing: it is a runtime choice.")
     ngram: NgramSpec = Field(default_factory=NgramSpec)
-    max_draft_len: int = Field(4, description="K: draft tokens proposed per target step.")
+    medusa: MedusaSpec | None = Field(None, description="Required when method is 'medusa'.")
+    max_draft_len: int = Field(4, description="K: draft tokens proposed per target step (medusa: the tree's depth "
+                                              "decides, this is not read).")
     acceptance: Literal["greedy", "rejection"] = Field(
         "rejection",
         description="How the target checks draft tokens under sampling: 'rejection' compares probabilities "
                     "(needs draft logits), 'greedy' keeps the prefix equal to the target's own tokens. Both keep "
                     "the target's distribution; at temperature 0 both are exact greedy decoding.")
+
+    @model_validator(mode="after")
+    def _medusa_heads(self) -> SpeculativeSpec:
+        if self.method.needs_medusa_heads and self.medusa is None:
+            raise ValueError("speculative.medusa: required for speculative.method 'medusa'; add medusa: {model: "
+                             "<heads folder>} (train them with `python -m pipeline train-draft CONFIG --kind medusa`)")
+        return self
 
     @field_validator("max_draft_len")
     @classmethod
@@ -212,6 +269,11 @@ class PipelineConfig(_Section):
             raise ValueError(f"draft: required for speculative.method {self.speculative.method.value!r}; add a draft "
                              f"model (draft: {{model: ...}}) or set speculative.method: ngram")
         return self
+
+    def medusa_dir(self) -> Path:
+        """The heads folder of speculative.medusa, resolved against the config's folder."""
+        folder = Path(self.speculative.medusa.model).expanduser()
+        return folder if folder.is_absolute() else self.base_dir / folder
 
     @property
     def roles(self) -> tuple[str, ...]:

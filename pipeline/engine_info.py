@@ -35,6 +35,7 @@ class EngineInfo:
     acceptance: str = "rejection"
     method: str | None = None  # speculative.method at build time (None: built before engine.json recorded it)
     ngram: dict | None = None  # speculative.ngram at build time
+    medusa_choices: list | None = None  # the tree a medusa target verifies (None: another method)
     architecture: str | None = None
     vocab_size: int | None = None
     # Backend-specific facts (trtllm: tp, pp, trtllm_version, gather_generation_logits, KV-cache settings,
@@ -82,9 +83,14 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         "max_batch_size": build.max_batch_size, "max_input_len": build.max_input_len,
         "max_seq_len": build.max_seq_len,
         # Only the target verifies; the draft needs no spec mode, like TensorRT-LLM's draft engine.
-        "max_draft_len": speculative.max_draft_len if role == "target" else 0,
+        # A Medusa target verifies its tree: K is the tree's depth.
+        "max_draft_len": 0 if role != "target" else speculative.medusa.tree().max_depth
+        if speculative.method.needs_medusa_heads else speculative.max_draft_len,
         "acceptance": speculative.acceptance,
         "method": speculative.method.value, "ngram": speculative.ngram.model_dump(),
+        # The tree a Medusa engine verifies (TensorRT-LLM's medusa_choices); None for the other methods.
+        "medusa_choices": speculative.medusa.paths()
+        if role == "target" and speculative.method.needs_medusa_heads else None,
     }
 
 

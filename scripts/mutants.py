@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/test_accept.py",
                  "tests/executor/test_batching_engine.py::test_seeded_sampling_does_not_depend_on_neighbours",
-                 "tests/speculative/test_tree.py"]
+                 "tests/speculative/test_tree.py", "tests/executor/test_medusa_proposer.py"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
@@ -35,6 +35,7 @@ ENGINE = "pipeline/executor/batching_engine.py"
 DRAFT = "pipeline/executor/proposers/draft_model.py"
 ACCEPT = "pipeline/speculative/accept.py"
 TREE = "pipeline/speculative/tree.py"
+CACHE = "pipeline/executor/kv_cache.py"
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,18 @@ MUTANTS = [
            "ok[:, node] = ok[:, p] & (tokens[:, node] == target_argmax[:, p])",
            "ok[:, node] = ok[:, p] & (tokens[:, node] == target_argmax[:, node])",
            "a tree node is compared with the target's argmax after itself instead of after its parent"),
+    Mutant("tree_kv_from_first_branch", CACHE,
+           "src = torch.tensor(nodes, dtype=torch.long) + root",
+           "src = torch.arange(1, len(nodes) + 1) + root",
+           "an accepted path keeps the KV of the first candidates after the root, whichever branch was accepted"),
+    Mutant("tree_depth_position_off_by_one", CACHE,
+           "positions[row, root:root + tree.size] = start + tree.depth",
+           "positions[row, root:root + tree.size] = start + tree.depth + 1",
+           "tree nodes sit one position past root + depth"),
+    Mutant("medusa_hidden_at_root", ENGINE,
+           "last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))",
+           "last_position.append(int(batch.first_logit[row]) + accepted)",
+           "the heads read the hidden state at the accepted depth's offset, not at the accepted node"),
 ]
 
 

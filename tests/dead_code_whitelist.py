@@ -13,6 +13,9 @@ _._power_of_two
 _._input_fits
 _._distinct_ports
 _._draft_for_method
+_._known_tree
+_._depth_fits
+_._medusa_heads
 
 # Dataclass fields read through asdict(): results.json's cost terms, a tiny pair's LlamaConfig (pipeline/tinymodels.py).
 context_tokens
@@ -64,15 +67,7 @@ frame
 # Read by tests only: the server's metrics URL, the template parameters deliberately left unset.
 _.metrics_url
 TENSORRT_LLM_UNSET
+tensorrt_llm_unset
 PREPROCESSING_UNSET
-
-
-# pipeline/speculative/tree.py: the Medusa tree rules, tested on their own (tests/speculative/test_tree.py) ahead
-# of the engine's medusa method, which will call them; delete these lines when it does.
-_.from_choices
-_.path_to
-candidate_tokens
-greedy_tree_accept
-uniforms_needed
 sampled_tree_accept
 tree_attention_bias

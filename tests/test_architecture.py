@@ -15,7 +15,10 @@ FORBIDDEN = {
     "methods": {"*"},
     "errors": {"*"},
     "draft_vocab": {"*"},  # model-level tensor code: executor, distill and checks read it
-    "medusa_heads": {"*"},
+    # Medusa heads share draft_vocab's layer and its token-id check; nothing else of the package.
+    "medusa_heads": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages", "checks", "models",
+                     "engine_info", "gguf", "config", "artifacts", "yaml_loader", "distill", "chat", "prompt_files",
+                     "speculative", "methods", "errors", "layout", "dtypes", "parity", "tinymodels", "trained_pair"},
     "executor": {"bench", "triton", "cli", "run_cmd", "stages", "chat", "prompt_files"},
     "backends": {"executor", "bench", "triton", "cli", "run_cmd", "stages"},
     "engine_info": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages"},

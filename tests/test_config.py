@@ -245,3 +245,23 @@ def test_code_pair_config_reads_the_folders_make_trains():
     out = repo / argv[argv.index("--out") + 1]
     for role in ("target", "draft"):
         assert (config.base_dir / getattr(config, role).model).resolve() == (out / role).resolve(), role
+
+
+def test_medusa_needs_its_heads_and_a_tree_that_fits_them():
+    base = minimal(speculative={"method": "medusa", "medusa": {"model": "heads"}})
+    base.pop("draft")
+    config = parse_config(base)
+    assert config.roles == ("target",) and config.speculative.medusa.paths()[:2] == [[0], [0, 0]]
+    assert config.speculative.medusa.tree().size == 64  # mc_sim_7b_63 by default, as TensorRT-LLM
+    problems = {
+        "required for speculative.method 'medusa'": {"method": "medusa"},
+        "4 deep but there are 2 heads": {"method": "medusa", "medusa": {"model": "h", "heads": 2}},
+        "is not a named tree": {"method": "medusa", "medusa": {"model": "h", "choices": "tree9"}},
+        "is not a path": {"method": "medusa", "medusa": {"model": "h", "choices": [[0], [0, -1]]}},
+        "above 63": {"method": "medusa", "medusa": {"model": "h", "choices": [[i] for i in range(64)]}},
+    }
+    for message, speculative in problems.items():
+        data = minimal(speculative=speculative)
+        data.pop("draft")
+        with pytest.raises(ConfigError, match=message):
+            parse_config(data)

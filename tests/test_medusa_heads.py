@@ -58,13 +58,15 @@ def test_heads_start_as_the_targets_head_and_round_trip(tmp_path):
     assert torch.equal(again(hidden), heads.eval()(hidden))
 
 
-def test_train_drafts_default_head_count_is_the_converters():
-    from pipeline.cli import build_parser
+def test_the_default_head_and_layer_counts_are_the_converters():
+    """speculative.medusa's defaults (which train-draft --kind medusa falls back to) are the converter's."""
+    from pipeline.config import MedusaSpec
 
     converter = (RECORDED / "examples/medusa/convert_checkpoint.py").read_text()
-    default = int(re.search(r"'--num_medusa_heads', type=int, default=(\d+)", converter).group(1))
-    args = build_parser().parse_args(["train-draft", "some.yaml", "--kind", "medusa"])
-    assert args.heads == default
+    heads = int(re.search(r"'--num_medusa_heads', type=int, default=(\d+)", converter).group(1))
+    layers = int(re.search(r"'--num_medusa_layers', type=int, default=(\d+)", converter).group(1))
+    spec = MedusaSpec(model="heads")
+    assert (spec.heads, spec.layers) == (heads, layers)
 
 
 def test_bad_shapes_are_refused(tmp_path):
@@ -78,3 +80,41 @@ def test_bad_shapes_are_refused(tmp_path):
     save_file(state, str(tmp_path / HEADS_FILE))
     with pytest.raises(RuntimeError, match="1.1.weight"):
         MedusaHeads.load(tmp_path)
+
+
+def test_a_reduced_vocabulary_round_trips_and_serves_only_its_tokens(tmp_path):
+    from pipeline.medusa_heads import CONFIG_FILE, VOCAB_KEY
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(2, 1, 8, 30)
+    heads.vocab_ids = [1, 4, 5, 9, 12, 20, 29]
+    heads.save(tmp_path)
+    config = json.loads((tmp_path / CONFIG_FILE).read_text())
+    assert config[VOCAB_KEY] == heads.vocab_ids
+    assert load_file(str(tmp_path / HEADS_FILE))["0.1.weight"].shape == (30, 8)  # the converter's [V, d] layout
+    loaded = MedusaHeads.load(tmp_path)
+    hidden = torch.randn(5, 8)
+    full = torch.stack([loaded.head_logits(h, hidden) for h in range(2)])  # [heads, 5, N] over vocab_ids
+    ids = torch.tensor(heads.vocab_ids)
+    want = [ids[full[h].topk(3).indices] for h in range(2)]  # the best 3 of the covered tokens, as target ids
+    got = loaded.restrict().top_tokens(hidden, [3, 3])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert loaded[0][-1].weight.shape == (7, 8)  # serving reads only the covered rows
+    with pytest.raises(ValueError, match="save the heads as trained"):
+        loaded.save(tmp_path / "again")
+    config[VOCAB_KEY] = [3, 2]
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="ascending"):
+        MedusaHeads.load(tmp_path)
+
+
+def test_heads_that_do_not_match_the_config_or_target_are_named(tmp_path):
+    from pipeline.medusa_heads import heads_problems
+
+    MedusaHeads(3, 1, 8, 30).save(tmp_path)
+    assert heads_problems(tmp_path, 3, 1, 8, 30) == []
+    problems = heads_problems(tmp_path, 4, 2, 16, 30)
+    assert any("speculative.medusa.heads: 4" in p and "medusa_num_heads 3" in p for p in problems)
+    assert any("speculative.medusa.layers: 2" in p for p in problems)
+    assert any("hidden_size 8, the target has 16" in p for p in problems)
+    assert "no Medusa heads" in heads_problems(tmp_path / "missing", 3, 1, 8, 30)[0]

@@ -7,10 +7,12 @@ beyond those limits exactly as a TensorRT-LLM engine would.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from ..config import PipelineConfig
 from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
+from ..medusa_heads import CONFIG_FILE, ENGINE_SUBDIR, HEADS_FILE
 from ..models import ResolvedModel, load_causal_lm, load_tokenizer
 
 
@@ -19,7 +21,18 @@ def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Pa
     lm = load_causal_lm(model, spec.dtype, progress=True)
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(model).save_pretrained(out_dir)
-    return {"source": model.provenance()}
+    facts = {"source": model.provenance()}
+    if role == "target" and config.speculative.method.needs_medusa_heads:
+        facts["medusa"] = _copy_heads(config.medusa_dir(), out_dir / ENGINE_SUBDIR)
+    return facts
+
+
+def _copy_heads(src: Path, dst: Path) -> str:
+    """Medusa heads travel with the target's checkpoint and engine, as files (checked by `check` beforehand)."""
+    dst.mkdir(parents=True)
+    for name in (HEADS_FILE, CONFIG_FILE):
+        shutil.copy2(src / name, dst / name)
+    return str(src)
 
 
 def engine_limits(config: PipelineConfig, role: str) -> dict:
@@ -27,7 +40,9 @@ def engine_limits(config: PipelineConfig, role: str) -> dict:
 
 
 def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
-    return [f"load {checkpoint_dir} as {getattr(config, role).dtype}",
+    heads = [f"copy the Medusa heads {checkpoint_dir / ENGINE_SUBDIR} to {out_dir / ENGINE_SUBDIR}"] \
+        if role == "target" and config.speculative.method.needs_medusa_heads else []
+    return [f"load {checkpoint_dir} as {getattr(config, role).dtype}", *heads,
             f"write {out_dir}/model.safetensors, tokenizer, {ENGINE_FILE} ({json.dumps(engine_limits(config, role))})"]
 
 
@@ -37,6 +52,8 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
     lm = load_causal_lm(checkpoint, spec.dtype, progress=True)
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(checkpoint).save_pretrained(out_dir)
+    if (checkpoint_dir / ENGINE_SUBDIR).is_dir():
+        _copy_heads(checkpoint_dir / ENGINE_SUBDIR, out_dir / ENGINE_SUBDIR)
     limits = engine_limits(config, role)
     limits["architecture"] = type(lm).__name__
     limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]

@@ -9,12 +9,15 @@ scripts/extract_trtllm_build_options.py) and the tests parse every argv we gener
 
 from __future__ import annotations
 
+import os
 import shlex
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import PipelineConfig
-from ..errors import BackendUnavailable, ConfigError
+from ..errors import BackendUnavailable, CompatibilityError, ConfigError
+from ..speculative.tree import TokenTree
 
 # What the Triton container ships (NVIDIA's compatibility matrix: 25.12 = TensorRT-LLM 1.1.0, TensorRT 10.13.3.9,
 # CUDA 13.0.2); engines only load in the release that built them, so build and serve in this one container.
@@ -24,6 +27,15 @@ TRITON_CONTAINER = "nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3"
 # TensorRT-LLM's triton_backend/all_models and scripts/ to /app).
 CONTAINER_TRITON_MODELS = "/app/all_models/inflight_batcher_llm"
 CONTAINER_TRITON_LAUNCHER = "/app/scripts/launch_triton_server.py"
+# The same Dockerfile (tensorrtllm_backend dockerfile/Dockerfile.triton.trt_llm_backend, read at a 2025 commit, not at
+# the 25.12 tag) copies the checkout's examples/ to /app/examples: the Medusa converter is a script there, not a
+# module of the wheel. TRTLLM_EXAMPLES points elsewhere (the examples/ folder of a TensorRT-LLM 1.1.0 checkout), as
+# TRTLLM_TRITON_MODELS does for the Triton models.
+CONTAINER_TRTLLM_EXAMPLES = "/app/examples"
+EXAMPLES_ENV = "TRTLLM_EXAMPLES"
+MEDUSA_CONVERTER = "medusa/convert_checkpoint.py"
+# examples/medusa/convert_checkpoint.py asserts --model_type is one of these before it reads the HF config.
+MEDUSA_MODEL_TYPES = ("llama", "mixtral", "qwen2")
 # build copies the tokenizer into every engine folder (engines/<name>/<role>/build/tokenizer), so nothing that
 # runs the engines needs the source model, the hub or a token again.
 TOKENIZER_DIR = "tokenizer"
@@ -33,6 +45,7 @@ INSTALL_HINT = (f"run inside the Triton TRT-LLM container {TRITON_CONTAINER}, or
 # SpeculativeDecodingMode is an IntFlag (NONE=1, DRAFT_TOKENS_EXTERNAL=2, ...); Engine.save writes the int into
 # the engine's config.json build_config, and the C++ runtime reads it back as that integer.
 SPEC_MODE_DRAFT_TOKENS_EXTERNAL = 2
+SPEC_MODE_MEDUSA = 4
 
 # QuantAlgo member names (tensorrt_llm/quantization/mode.py) for our config's modes.
 WEIGHT_QUANT_ALGO = {"none": None, "fp8": "FP8", "int8_weight_only": "W8A16", "int4_awq": "W4A16_AWQ"}
@@ -67,8 +80,26 @@ def role_quant(config: PipelineConfig, role: str) -> tuple[str | None, str | Non
     return WEIGHT_QUANT_ALGO[quant.mode], KV_CACHE_QUANT_ALGO[quant.kv_cache]
 
 
+def is_medusa(config: PipelineConfig) -> bool:
+    return config.speculative.method.needs_medusa_heads
+
+
 def needs_generation_logits(config: PipelineConfig) -> bool:
-    return config.speculative.acceptance == "rejection"
+    """Draft logits reach the target only from a draft engine; Medusa heads live inside the target's engine."""
+    return config.speculative.acceptance == "rejection" and not is_medusa(config)
+
+
+def medusa_choices(paths: list[list[int]]) -> list[list[int]]:
+    """TensorRT-LLM's medusa_choices for a tree given as rank paths: every node once, its missing prefixes added
+    (only the Python runtime expands a list of leaves, tensorrt_llm/runtime/medusa_utils.py), parents before
+    children (by depth, then by path)."""
+    return [list(path) for path in TokenTree.from_choices(paths).paths[1:]]
+
+
+def medusa_nodes(config: PipelineConfig) -> int:
+    """Draft tokens a Medusa step verifies: the tree's nodes without the root (--max_medusa_token_len,
+    --max_draft_len)."""
+    return len(medusa_choices(config.speculative.medusa.paths()))
 
 
 # Share of the KV-cache memory fraction given to the draft when it shares a GPU with the target. Both engines cache
@@ -91,7 +122,8 @@ def kv_cache_fractions(fraction: float, target_device_ids: list[int], draft_devi
 
 
 def validate_for_trtllm(config: PipelineConfig) -> None:
-    """Refuse settings the pinned release silently overrides in ways that break draft_tokens_external."""
+    """Refuse settings the pinned release silently overrides in ways that break speculative decoding, and what the
+    Medusa converter cannot do."""
     kv = config.build.kv_cache
     if not kv.paged:
         raise ConfigError("build.kv_cache.paged: false, but TensorRT-LLM's draft_tokens_external needs the paged KV "
@@ -100,6 +132,13 @@ def validate_for_trtllm(config: PipelineConfig) -> None:
         # tensorrt_llm/builder.py turns use_paged_context_fmha off for an int8 KV cache, which this method needs.
         raise ConfigError("build.quantization.kv_cache: 'int8' makes trtllm-build disable paged context FMHA, which "
                           "draft-target speculative decoding requires; use kv_cache: fp8 or none")
+    quant = config.build.quantization
+    if is_medusa(config) and (quant.mode != "none" or quant.kv_cache != "none"):
+        # examples/medusa/convert_checkpoint.py has quantization flags of its own (SmoothQuant, plain int4, ModelOpt
+        # checkpoints), not these modes, and its Qwen2 path ignores them: only unquantized Medusa targets here.
+        raise ConfigError(f"build.quantization: mode {quant.mode!r}, kv_cache {quant.kv_cache!r}, but TensorRT-LLM "
+                          f"{PINNED_VERSION}'s Medusa converter (examples/{MEDUSA_CONVERTER}) is used unquantized "
+                          f"here; set quantization: {{mode: none, kv_cache: none}} or use backend: torch")
 
 
 # ---- trtllm-build ----------------------------------------------------------------------------------------------------
@@ -125,7 +164,11 @@ def build_argv(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir:
         "--max_input_len", str(engine_context_len(config)),
         "--max_seq_len", str(build.max_seq_len),
     ]
-    if role == "target":
+    if role == "target" and is_medusa(config):
+        # The heads are in the checkpoint (MedusaForCausalLM); max_draft_len is the tree's node count, the same
+        # value the converter wrote (--max_medusa_token_len), stated rather than left to the checkpoint.
+        argv += ["--speculative_decoding_mode", "medusa", "--max_draft_len", str(medusa_nodes(config))]
+    elif role == "target":
         argv += ["--speculative_decoding_mode", "draft_tokens_external",
                  "--max_draft_len", str(config.speculative.max_draft_len)]
     if needs_generation_logits(config):
@@ -188,6 +231,38 @@ def convert_calls(config: PipelineConfig, role: str) -> list[ConvertCall]:
         return [ConvertCall("quantize", None, par.world_size, par.tp, par.pp, dtype, weight_algo, kv_algo)]
     return [ConvertCall("from_hugging_face", rank, par.world_size, par.tp, par.pp, dtype, weight_algo, kv_algo)
             for rank in range(par.world_size)]
+
+
+# ---- the Medusa converter --------------------------------------------------------------------------------------------
+
+def medusa_converter_script() -> Path:
+    return Path(os.environ.get(EXAMPLES_ENV) or CONTAINER_TRTLLM_EXAMPLES) / MEDUSA_CONVERTER
+
+
+def check_medusa_model_type(model_type: object) -> str:
+    if model_type not in MEDUSA_MODEL_TYPES:
+        raise CompatibilityError(f"target.model: model_type {model_type!r} has no Medusa converter in TensorRT-LLM "
+                                 f"{PINNED_VERSION} (examples/{MEDUSA_CONVERTER} takes "
+                                 f"{', '.join(MEDUSA_MODEL_TYPES)}); use backend: torch for Medusa on this model, or "
+                                 f"another speculative.method")
+    return model_type
+
+
+def medusa_convert_argv(config: PipelineConfig, model_dir: str, model_type: str, out_dir: Path,
+                        script: Path | None = None) -> list[str]:
+    """The Medusa converter's argv: the target's HF folder and the heads folder -> one TensorRT-LLM checkpoint
+    (MedusaForCausalLM, every rank), run by this interpreter (the one that imports tensorrt_llm). Every count is
+    passed: the converter takes the head count from the command line, never from the heads' config.json, and
+    defaults it to 4."""
+    validate_for_trtllm(config)
+    medusa = config.speculative.medusa
+    par = role_parallel(config, "target")
+    return [sys.executable, str(script or medusa_converter_script()),
+            "--model_dir", model_dir, "--medusa_model_dir", str(config.medusa_dir()), "--model_type", model_type,
+            "--num_medusa_heads", str(medusa.heads), "--num_medusa_layers", str(medusa.layers),
+            "--max_medusa_token_len", str(medusa_nodes(config)),
+            "--dtype", config.target.dtype, "--tp_size", str(par.tp), "--pp_size", str(par.pp),
+            "--output_dir", str(out_dir)]
 
 
 # ---- availability ------------------------------------------------------------------------------------------------------

@@ -10,10 +10,10 @@ from ..engine_info import EngineInfo, read_engine
 from ..errors import EngineError
 from ..layout import Layout
 from ..methods import Method
-from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, require_cuda_gpu
+from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, medusa_choices, require_cuda_gpu
 from .trtllm_runner import EngineLimits, ModelRunnerEngine
-from .trtllm_preflight import (check_context_logits, check_target_spec_mode, check_version, preflight,
-                               raise_if_problems, read_engine_config)
+from .trtllm_preflight import (check_context_logits, check_medusa_mode, check_target_spec_mode, check_version,
+                               preflight, raise_if_problems, read_engine_config)
 
 __all__ = ["TOKENIZER_DIR", "check_pair", "open_engines", "OpenedEngines"]
 
@@ -37,12 +37,16 @@ def check_pair(root: Path, installed_version: str | None, target_device_ids: lis
 
 
 def check_target_only(root: Path, installed_version: str | None) -> EngineInfo:
-    """engine.json of a target built without a draft (speculative.method: ngram) after its pre-flight checks."""
+    """engine.json of a target built without a draft (speculative.method ngram or medusa) after its pre-flight
+    checks."""
     layout = Layout(Path(root))
     target = read_engine(layout.root, "target")
     engine = read_engine_config(layout.engine_dir("target"))
-    raise_if_problems(check_target_spec_mode(engine, target.max_draft_len) + check_context_logits(engine)
-                      + check_version(engine, installed_version))
+    if target.medusa_choices:
+        mode = check_medusa_mode(engine, len(medusa_choices(target.medusa_choices)))
+    else:
+        mode = check_target_spec_mode(engine, target.max_draft_len)
+    raise_if_problems(mode + check_context_logits(engine) + check_version(engine, installed_version))
     return target
 
 
@@ -56,6 +60,7 @@ class OpenedEngines:
     limits: EngineLimits
     acceptance: str
     eos_token_ids: list[int]
+    medusa_choices: list[list[int]] | None = None  # the tree a Medusa target verifies (None: another method)
 
 
 def open_engines(root, method: Method, target_device_ids: list[int] | None = None,
@@ -72,12 +77,16 @@ def open_engines(root, method: Method, target_device_ids: list[int] | None = Non
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(layout.engine_dir("target") / TOKENIZER_DIR)
-    rejection = target_info.acceptance == "rejection"
+    tree = medusa_choices(target_info.medusa_choices) if target_info.medusa_choices else None
+    # Draft logits come from a draft engine; a Medusa engine drafts inside and was built without them.
+    rejection = target_info.acceptance == "rejection" and tree is None
     target_ids = target_device_ids or target_info.get("target_device_ids")
     draft_ids = draft_device_ids or target_info.get("draft_device_ids")
-    # On a shared GPU the two fractions sum to the configured one (the same split the Triton repository uses).
-    target_kv, draft_kv = kv_cache_fractions(target_info.get("kv_cache_free_gpu_mem_fraction"), target_ids,
-                                             draft_ids)
+    fraction = target_info.get("kv_cache_free_gpu_mem_fraction")
+    # On a shared GPU the two fractions sum to the configured one (the same split the Triton repository uses);
+    # without a draft engine the target takes all of it.
+    target_kv, draft_kv = kv_cache_fractions(fraction, target_ids, draft_ids) if method.needs_draft_model \
+        else (fraction, 0.0)
     eos = tokenizer.eos_token_id
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     reuse = target_info.get("enable_block_reuse")
@@ -86,6 +95,7 @@ def open_engines(root, method: Method, target_device_ids: list[int] | None = Non
     draft = ModelRunnerEngine(layout.engine_dir("draft"), draft_ids, draft_kv, reuse, rejection, eos, pad,
                               context_len) if method.needs_draft_model else None
     target = ModelRunnerEngine(layout.engine_dir("target"), target_ids, target_kv, reuse, rejection, eos, pad,
-                               context_len)
+                               context_len, medusa_choices=tree)
     limits = EngineLimits(target_info.max_input_len, target_info.max_seq_len, target_info.max_draft_len)
-    return OpenedEngines(target, draft, tokenizer, limits, target_info.acceptance, [eos] if eos is not None else [])
+    return OpenedEngines(target, draft, tokenizer, limits, target_info.acceptance, [eos] if eos is not None else [],
+                         tree)

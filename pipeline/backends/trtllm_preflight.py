@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import EngineError
-from .trtllm_api import SPEC_MODE_DRAFT_TOKENS_EXTERNAL
+from .trtllm_api import SPEC_MODE_DRAFT_TOKENS_EXTERNAL, SPEC_MODE_MEDUSA
 
 REBUILD = "rebuild with `python -m pipeline build CONFIG --force`"
 
@@ -33,12 +33,19 @@ class TrtllmEngineConfig:
     gather_generation_logits: bool
     world_size: int
 
-    @property
-    def has_draft_tokens_external(self) -> bool:
+    def has_spec_mode(self, name: str, flag: int) -> bool:
         mode = self.spec_mode
         if isinstance(mode, str):  # tolerate a name, in case a release serialises the enum by name
-            return mode.strip().lower().removeprefix("speculativedecodingmode.") == "draft_tokens_external"
-        return isinstance(mode, int) and bool(mode & SPEC_MODE_DRAFT_TOKENS_EXTERNAL)
+            return mode.strip().lower().removeprefix("speculativedecodingmode.") == name
+        return isinstance(mode, int) and bool(mode & flag)
+
+    @property
+    def has_draft_tokens_external(self) -> bool:
+        return self.has_spec_mode("draft_tokens_external", SPEC_MODE_DRAFT_TOKENS_EXTERNAL)
+
+    @property
+    def has_medusa(self) -> bool:
+        return self.has_spec_mode("medusa", SPEC_MODE_MEDUSA)
 
 
 def read_engine_config(path: Path) -> TrtllmEngineConfig:
@@ -78,6 +85,18 @@ def check_target_spec_mode(target: TrtllmEngineConfig, max_draft_len: int) -> li
                         f"requested K = {max_draft_len}; ask for max_draft_len <= {target.max_draft_len} or rebuild "
                         f"with speculative.max_draft_len: {max_draft_len} ({REBUILD})")
     return problems
+
+
+def check_medusa_mode(target: TrtllmEngineConfig, nodes: int) -> list[str]:
+    """A Medusa target: built in the medusa mode, with room for every node of the tree it is asked to verify."""
+    if not target.has_medusa:
+        return [f"{target.path}: build_config.speculative_decoding_mode is {target.spec_mode!r}, not medusa "
+                f"({SPEC_MODE_MEDUSA}), so the engine has no Medusa heads to draft with; rebuild it from a config with "
+                f"speculative.method: medusa ({REBUILD})"]
+    if target.max_draft_len < nodes:
+        return [f"{target.path}: build_config.max_draft_len is {target.max_draft_len}, fewer than the {nodes} nodes "
+                f"of the Medusa tree (speculative.medusa.choices); rebuild with this config ({REBUILD})"]
+    return []
 
 
 def check_context_logits(engine: TrtllmEngineConfig) -> list[str]:

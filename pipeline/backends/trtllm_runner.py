@@ -48,7 +48,9 @@ class ModelRunnerEngine:
 
     def __init__(self, engine_dir: Path, device_ids: list[int], kv_fraction: float, block_reuse: bool,
                  gather_generation_logits: bool, end_id: int | None, pad_id: int | None,
-                 max_context_len: int | None = None):
+                 max_context_len: int | None = None, medusa_choices: list[list[int]] | None = None):
+        """``medusa_choices``: the tree a Medusa engine verifies (every node's rank path); None for other engines
+        (and for a Medusa engine, TensorRT-LLM's default mc_sim_7b_63)."""
         from tensorrt_llm.runtime import ModelRunnerCpp
 
         # Orchestrator mode spawns the executor's worker processes on device_ids, so a TP=4 target and a TP=1
@@ -56,7 +58,8 @@ class ModelRunnerEngine:
         self.runner = ModelRunnerCpp.from_dir(
             engine_dir=str(engine_dir), device_ids=list(device_ids), is_orchestrator_mode=True,
             kv_cache_free_gpu_memory_fraction=kv_fraction, kv_cache_enable_block_reuse=block_reuse,
-            gather_generation_logits=gather_generation_logits, max_input_len=max_context_len)
+            gather_generation_logits=gather_generation_logits, max_input_len=max_context_len,
+            medusa_choices=medusa_choices)
         self.vocab_size = int(self.runner.vocab_size_padded)
         self.end_id, self.pad_id = end_id, pad_id
 

@@ -45,6 +45,12 @@ def add_bench_parsers(sub, common) -> None:
                         "(chats go through the target's chat template)")
     p.add_argument("--draft", action="append", default=[], metavar="MODEL",
                    help="candidate draft (folder or hub id); repeatable; default: the config's draft")
+    p.add_argument("--medusa", action="append", default=[], metavar="HEADS",
+                   help="candidate Medusa heads folder (train-draft --kind medusa); repeatable; default: the config's "
+                        "speculative.medusa.model when its method is medusa")
+    p.add_argument("--tree", action="append", default=[], metavar="CHOICES",
+                   help="Medusa tree to try with each heads folder: a named tree or a JSON list of paths; "
+                        "repeatable (default: the config's choices, else every named tree)")
     p.add_argument("--k-max", type=int, default=8, help="largest K considered (default 8)")
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
     p.add_argument("--json", action="store_true", help="also print the measurements as JSON")

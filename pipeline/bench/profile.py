@@ -14,7 +14,10 @@ Beside the drafts it measures the proposers that need no draft model, on the sam
                so steps where nothing matched (plain decoding) weigh in;
   ngram+DRAFT  the per-step choice between lookup and that draft, run at K = k_max: its tokens per step over its
                cost per step (the verify, plus K c on the steps where the draft ran).
-The recommendation names the method (speculative.method) as well as the draft and K.
+  medusa:TREE  Medusa heads (--medusa, one run per tree in --tree): a tree step's cost is not a chain's K c + v_K,
+               so it is timed: target-only and Medusa decode the same prompts at batch 1, interleaved over
+               MEDUSA_ROUNDS rounds, each keeping its best; the speedup is the measured ratio (on this machine).
+The recommendation names the method (speculative.method) as well as the draft and K (or the tree).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from ..errors import PipelineError
 from ..methods import Method
+from ..speculative.tree_choices import NAMED_TREES
 from ..speculative.analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
 from .arg_checks import check_range
 
@@ -44,11 +48,18 @@ class DraftProfile:
     method: Method = Method.DRAFT_MODEL  # the speculative.method this candidate is
     draft_step_share: float = 1.0  # ngram+draft: share of speculative steps the draft model proposed
     dtype: str = ""  # the dtype the draft ran in (its cost ratio c depends on it); "" for lookups
+    tokens_per_step: float = 0.0  # medusa: tokens emitted per target step (its tree steps and its first, plain one)
+    choices: list | str | None = None  # medusa: the tree measured
 
     def reasoning(self) -> str:
         if self.status != "ok":
             return f"{self.draft}: {self.status}: {self.reason}"
         k = self.best_k
+        if self.method == Method.MEDUSA:
+            by_depth = " ".join(f"{p:.2f}" for p in self.acceptance_by_position)
+            return (f"{self.draft}: acceptance by tree depth [{by_depth}], {self.tokens_per_step:.2f} tokens per "
+                    f"target step; measured {self.best_speedup:.2f}x target-only on these prompts (wall clock, "
+                    f"batch 1, best of {MEDUSA_ROUNDS} interleaved rounds)")
         if self.method == Method.NGRAM_DRAFT:
             return (f"{self.draft}: at K={k} the draft proposed in {self.draft_step_share:.0%} of speculative steps, "
                     f"lookups in the rest; tokens per step over cost per step = {self.best_speedup:.2f}x")
@@ -114,6 +125,40 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int
                         speedups, best_k, best_speedup, method=Method.NGRAM)
 
 
+MEDUSA_ROUNDS = 2
+
+
+def profile_medusa(target_path: Path, heads: Path, choices, prompts: list[str | list[int]], max_new_tokens: int,
+                   device: str, dtype: str) -> DraftProfile:
+    """Medusa heads with one tree: greedy acceptance per depth, and the speedup timed against target-only."""
+    import time
+
+    from ..executor import SpeculativeExecutor
+    from .runner import fit_prompt
+
+    label = f"medusa:{choices if isinstance(choices, str) else 'custom'}"
+    try:
+        executor = SpeculativeExecutor.from_pretrained(target_path, None, device=device, dtype=dtype,
+                                                       method=Method.MEDUSA, medusa=heads, medusa_choices=choices)
+    except (PipelineError, ValueError, OSError) as exc:
+        return DraftProfile(label, "unavailable", str(exc), method=Method.MEDUSA, choices=choices)
+    ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
+    best = {0: float("inf"), None: float("inf")}  # K 0: target-only; None: the tree's depth
+    results = []
+    for _ in range(MEDUSA_ROUNDS):
+        for k in best:
+            start = time.perf_counter()
+            run = [executor.generate([x], max_new_tokens, temperature=0.0, max_draft_len=k)[0] for x in ids]
+            best[k] = min(best[k], time.perf_counter() - start)
+            if k is None:
+                results = run
+    stats = _total(results)
+    return DraftProfile(label, "ok", "", stats.acceptance_rate, stats.acceptance_by_position, 0.0, [], [],
+                        executor.max_draft_len, best[0] / best[None], method=Method.MEDUSA,
+                        dtype=str(executor.target.dtype).removeprefix("torch."),
+                        tokens_per_step=stats.mean_accepted_len, choices=choices)
+
+
 def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str | list[int]],
                    k_max: int, max_new_tokens: int, device: str, dtype: str,
                    draft_dtype: str | None = None) -> DraftProfile:
@@ -158,6 +203,9 @@ def recommendation(profiles: list[DraftProfile]) -> str:
     if best.best_speedup <= 1.0:
         return (f"recommend: serve the target alone; the best candidate ({best.draft}, K={best.best_k}) is "
                 f"expected at {best.best_speedup:.2f}x, not faster than target-only decoding")
+    if best.method == Method.MEDUSA:
+        return (f"recommend: speculative.method: medusa with speculative.medusa.choices: {best.choices} (measured "
+                f"{best.best_speedup:.2f}x over target-only decoding)")
     if best.method == Method.NGRAM:
         return (f"recommend: speculative.method: ngram with speculative.max_draft_len: {best.best_k}, no draft "
                 f"model (expected {best.best_speedup:.2f}x over target-only decoding)")
@@ -173,7 +221,10 @@ def format_profiles(profiles: list[DraftProfile]) -> str:
     header = ["draft", "status", "dtype", "accept", "c", "best K", "speedup", "expected speedup K=1.."]
     rows = []
     for p in profiles:
-        if p.status == "ok":
+        if p.status == "ok" and p.method == Method.MEDUSA:
+            rows.append([p.draft, p.status, p.dtype, f"{p.acceptance_rate:.2f}", "-", f"{p.best_k} (depth)",
+                         f"{p.best_speedup:.2f}x", f"measured; {p.tokens_per_step:.2f} tokens/step"])
+        elif p.status == "ok":
             rows.append([p.draft, p.status, p.dtype or "-", f"{p.acceptance_rate:.2f}", f"{p.cost_ratio_c:.3f}",
                          str(p.best_k), f"{p.best_speedup:.2f}x", " ".join(f"{s:.2f}" for s in p.expected_speedup)])
         else:
@@ -210,6 +261,21 @@ def _draft_dtype(name: str, path: Path | None, config, device: str) -> str | Non
                          device).dtype
 
 
+def _tree_arg(value: str):
+    """--tree: a named tree, or a JSON list of paths (checked as speculative.medusa.choices is)."""
+    from ..speculative.tree import TokenTree
+
+    if value in NAMED_TREES:
+        return value
+    try:
+        paths = json.loads(value)
+        TokenTree.from_choices(paths)
+    except ValueError as exc:
+        raise PipelineError(f"--tree: {value!r} is not a named tree ({', '.join(NAMED_TREES)}) or a JSON list of "
+                            f"paths such as [[0], [0, 0], [1]] ({exc})") from None
+    return paths
+
+
 def cmd_profile(args) -> int:
     from ..config import MAX_DRAFT_LEN_LIMIT, load_config
     from ..models import load_tokenizer, resolve_model
@@ -236,7 +302,7 @@ def cmd_profile(args) -> int:
     from tqdm import tqdm
 
     profiles = []
-    names = args.draft or ([config.draft.model] if config.draft is not None else [])
+    names = args.draft or ([config.draft.model] if config.draft is not None and not args.medusa else [])
     for name in tqdm(names, desc="profile", unit="draft"):
         path = _resolve_draft(name, config)
         draft_dtype = _draft_dtype(name, path, config, device)
@@ -245,6 +311,14 @@ def cmd_profile(args) -> int:
         if not args.no_ngram and profiles[-1].status == "ok":
             profiles.append(profile_hybrid(target, profiles[-1], path, prompts, args.k_max, args.max_new_tokens,
                                            device, config.target.dtype, draft_dtype=draft_dtype))
+    medusa_spec = config.speculative.medusa if config.speculative.method == Method.MEDUSA else None
+    heads = [Path(h) for h in args.medusa] or ([config.medusa_dir()] if medusa_spec is not None else [])
+    trees = [_tree_arg(t) for t in args.tree] or ([medusa_spec.choices] if medusa_spec is not None
+                                                  else list(NAMED_TREES))
+    for folder in heads:
+        for tree in tqdm(trees, desc=f"profile {folder.name}", unit="tree"):
+            profiles.append(profile_medusa(target, folder, tree, prompts, args.max_new_tokens, device,
+                                           config.target.dtype))
     if not args.no_ngram:
         profiles.append(profile_lookup(target, prompts, args.k_max, args.max_new_tokens, device,
                                        config.target.dtype))

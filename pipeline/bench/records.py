@@ -53,6 +53,8 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
     c = 0.0 if method in ("ngram", "hf_lookup") else costs.cost_ratio_c
     if method in ("target", "hf_target"):
         verify, bound, refined = 1.0, 1.0, 1.0
+    elif method == "medusa":  # a tree step: the chain model's bounds and verify cost do not describe it
+        verify = bound = refined = c = None
     else:
         # Dynamic K drafts a varying number per step: evaluate the model at the mean, with the verify cost of the
         # nearest measured K.
@@ -60,7 +62,7 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
         verify = costs.verify_cost(min(max(round(k_model), 1), len(costs.verify_ms)))
         bound = speedup_bound(alpha, k_model, c)
         refined = speedup_bound(alpha, k_model, c, verify)
-    predicted = (tokens / len(steps)) / step_cost(k_mean, c, verify) if steps else None
+    predicted = (tokens / len(steps)) / step_cost(k_mean, c, verify) if steps and verify is not None else None
     return {
         "method": method, "k": k, "set": prompt_set, "prompt_set": prompt_set,
         "tokens_per_s": _round(statistics.median(throughputs), 2),
@@ -69,6 +71,10 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
         "alpha": _round(alpha),
         "mean_accepted_len": _round(tokens / len(steps) if steps else 0.0),
         "mean_draft_len": _round(k_mean),
+        # of the steps that drafted position d (Medusa: a tree of depth >= d), the share that kept it
+        "acceptance_by_position": [_round(sum(1 for dr, a in steps if a > d) / n)
+                                   for d in range(max((dr for dr, _ in steps), default=0))
+                                   if (n := sum(1 for dr, _ in steps if dr > d))],
         "cost_ratio_c": _round(c), "verify_cost_ratio": _round(verify),
         "bound_speedup": _round(bound), "bound_speedup_refined": _round(refined),
         "predicted_speedup": _round(predicted),

@@ -6,6 +6,8 @@ Methods (all greedy, batch 1):
   dynamic      our runtime with max_draft_len="auto" (the executor picks K per step)
   ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
   ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
+  medusa       our runtime, Medusa heads' candidate tree verified in one pass (engines built with method medusa;
+               K = the tree's depth); acceptance_by_position is then per tree depth
   adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy caps K per step from measured costs
                and each request's recent acceptance (torch runtime), with the executor's method
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
@@ -67,6 +69,9 @@ def build_methods(executor, options: BenchOptions, max_new_tokens: int) -> list[
         for k in ([lookup_k] if with_draft else range(1, lookup_k + 1)):
             methods.append(BenchMethod(proposer.value, k, lambda ids, p=proposer, k=k: stream_sample(
                 executor, ids, max_new_tokens, k, method=p)))
+    if getattr(executor, "has_medusa_heads", False):  # heads on the target: its tree's depth is K
+        methods.append(BenchMethod(Method.MEDUSA.value, executor.max_draft_len, lambda ids: stream_sample(
+            executor, ids, max_new_tokens, None, method=Method.MEDUSA)))
     if hasattr(executor, "engine"):
         methods.append(BenchMethod("adaptive", "policy", adaptive_runner(executor, max_new_tokens)))
     if not options.skip_hf:

@@ -55,10 +55,13 @@ def add_train_parser(sub, common) -> None:
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     p.add_argument("--kind", choices=("model", "medusa"), default="model",
                    help="what to train: a draft model (default) or Medusa heads on the frozen target (written in the "
-                        "layout TensorRT-LLM's Medusa converter reads; default out models/<name>-medusa-heads)")
-    p.add_argument("--heads", type=int, default=4, help="--kind medusa: heads, head h predicting h + 2 tokens "
-                                                        "ahead (default 4)")
-    p.add_argument("--head-layers", type=int, default=1, help="--kind medusa: residual blocks per head (default 1)")
+                        "layout TensorRT-LLM's Medusa converter reads; default out: speculative.medusa.model of a "
+                        "medusa config, else models/<name>-medusa-heads; --vocab N: the heads propose from the N "
+                        "tokens the target writes most)")
+    p.add_argument("--heads", type=int, help="--kind medusa: heads, head h predicting h + 2 tokens ahead (default: "
+                                             "speculative.medusa.heads of a medusa config, else 4)")
+    p.add_argument("--head-layers", type=int, help="--kind medusa: residual blocks per head (default: "
+                                                   "speculative.medusa.layers of a medusa config, else 1)")
     p.set_defaults(func=cmd_train_draft)
 
 
@@ -90,10 +93,9 @@ def cmd_train_draft(args) -> int:
         if value is not None and value < low:
             raise PipelineError(f"{name}: {value} must be >= {low}")
     if args.kind == "medusa":
-        for flag, value in (("--vocab", args.vocab), ("--layers", args.layers)):
-            if value is not None:
-                raise PipelineError(f"{flag}: applies to --kind model only; Medusa heads take --heads and "
-                                    f"--head-layers")
+        if args.layers is not None:
+            raise PipelineError("--layers: applies to --kind model only; Medusa heads take --heads and "
+                                "--head-layers")
     config = load_config(args.config)
     layout = Layout.for_config(config, args.engines_dir)
     target_model = resolve_model(config.target, "target", config.base_dir, with_weights=True)
@@ -175,14 +177,19 @@ def _train_model(args, config, layout, target, tokenizer, data, data_key, layers
 
 def _train_medusa(args, config, layout, target, data, data_key) -> int:
     from ..artifacts import run_stage
+    from ..config import MedusaSpec
     from ..medusa_heads import MedusaHeads
     from ..models import torch_dtype
     from .plot import plot_history
     from .train_medusa import MedusaOptions, train_medusa
 
-    out = args.out or Path("models") / f"{config.name}-medusa-heads"
-    options = MedusaOptions(tokens=args.tokens, heads=args.heads, layers=args.head_layers,
-                            lr=args.lr or MEDUSA_LR, seed=args.seed)
+    spec = config.speculative.medusa
+    out = args.out or (config.medusa_dir() if spec is not None else Path("models") / f"{config.name}-medusa-heads")
+    spec_defaults = spec or MedusaSpec(model=str(out))  # a config without medusa: the defaults of the section
+    heads_n = args.heads or spec_defaults.heads
+    layers_n = args.head_layers if args.head_layers is not None else spec_defaults.layers
+    options = MedusaOptions(tokens=args.tokens, heads=heads_n, layers=layers_n,
+                            lr=args.lr or MEDUSA_LR, seed=args.seed, vocab=args.vocab)
 
     def produce(tmp: Path) -> dict:
         heads = MedusaHeads.from_target(target, options.heads, options.layers)

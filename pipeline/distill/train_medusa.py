@@ -17,7 +17,7 @@ import torch
 from ..medusa_heads import MedusaHeads
 from .dataset import DistillSet
 from .loop import fit
-from .train import HeadRows, padded_batch, position_terms, split
+from .train import HeadRows, frequent_ids, padded_batch, position_terms, split
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class MedusaOptions:
     lr: float = 1e-3
     warmup_steps: int = 10
     held_out: float = 0.1
+    vocab: int | None = None  # heads propose from the N tokens with the most target probability (None: all)
     evals: int = 4
     checkpoint_every: int = 50
     seed: int = 0
@@ -39,18 +40,18 @@ def _head_terms(heads: MedusaHeads, target, data: DistillSet, chosen: list[int],
     input_ids, mask, targets = padded_batch(data, chosen, device)
     with torch.no_grad():
         hidden = target.base_model(input_ids=input_ids, attention_mask=mask).last_hidden_state.float()  # [B, L, d]
-    whole = HeadRows(None, 0)
+    rows = HeadRows(heads.vocab_ids, heads.vocab_size)
     kls, per_head, positions = [], [[0.0, 0.0, 0] for _ in heads], 0
     for r, (start, ids_k, logp_k) in enumerate(targets):
         n = ids_k.shape[0]
         positions += n
-        for h, head in enumerate(heads):
+        for h in range(heads.num_heads):
             m = n - h - 1  # hidden at start - 1 + i is taught row i + h + 1
             if m <= 0:
                 continue
-            logits = head(hidden[r, start - 1:start - 1 + m]).float()  # [m, V]
+            logits = heads.head_logits(h, hidden[r, start - 1:start - 1 + m]).float()  # [m, N]
             kl, agree, accept, _ = position_terms(logits, ids_k[h + 1:h + 1 + m].to(device),
-                                                  logp_k[h + 1:h + 1 + m].to(device), whole)
+                                                  logp_k[h + 1:h + 1 + m].to(device), rows)
             kls.append(kl)
             per_head[h][0] += agree
             per_head[h][1] += accept
@@ -87,6 +88,8 @@ def train_medusa(heads: MedusaHeads, target, data: DistillSet, options: MedusaOp
     if not train_set:
         raise ValueError("train-draft: the dataset has no training sequences; give more prompts or tokens")
     tokens_per_seq = sum(data.sequence(s)[2].shape[0] for s in train_set) / len(train_set)
+    if options.vocab is not None:
+        heads.vocab_ids = frequent_ids(data, train_set, options.vocab, heads.vocab_size)
 
     def step_loss(chosen: list[int]):
         loss, _, positions = _head_terms(heads, target, data, chosen, device)

@@ -27,6 +27,7 @@ class ExecutorBase(TokenizerIO):
     eos_token_ids: list[int] = []
     device = "cpu"  # where request generators live
     method = Method.DRAFT_MODEL  # who proposes by default
+    has_medusa_heads = False  # the runtime holds Medusa heads, so requests may use method medusa
 
     @property
     def has_draft_model(self) -> bool:
@@ -80,7 +81,8 @@ class ExecutorBase(TokenizerIO):
                     stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
                     method: str | None = None) -> SpecRequest:
         """A checked request; raises RequestError naming the value and the fix."""
-        method = parse_method(method or self.method, self.has_draft_model, error=RequestError)
+        method = parse_method(method or self.method, self.has_draft_model, error=RequestError,
+                              has_medusa_heads=self.has_medusa_heads)
         values = validate_request(max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
                                   default_k=self.max_draft_len, draft_len_limit=self.draft_len_limit)
         ids = self.encode(prompt)

@@ -21,6 +21,7 @@ import torch
 
 from ..methods import NgramSettings
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample_inverse_cdf
+from ..speculative.tree import greedy_tree_accept, sampled_tree_accept, uniforms_needed
 from .draft_policy import DraftPolicy
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers
@@ -33,10 +34,11 @@ from .step_batch import StepBatch
 class BatchingEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
                  k_max: int, acceptance: str = "rejection", adaptive_k: bool = False, compile: bool = False,
-                 ngram: NgramSettings | None = None):
+                 ngram: NgramSettings | None = None, medusa: tuple | None = None):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``adaptive_k``: cap K per step
         from measured costs and acceptance (for serving; a result never depends on it, see SpecRequest);
-        ``ngram``: lookup settings for requests whose method uses n-gram proposals."""
+        ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``medusa``: (MedusaHeads,
+        TokenTree) for requests whose method is medusa."""
         self.device = torch.device(device)
         self.target = BatchModelRunner(target_model, self.device, max_batch, max_tokens, compile)
         self.draft = BatchModelRunner(draft_model, self.device, max_batch, max_tokens, compile) \
@@ -47,7 +49,8 @@ class BatchingEngine:
         self.costs = CostRatio()
         self.proposers: dict[str, Proposer] = build_proposers(ProposerContext(
             self.draft, vocab_size, self.device, ngram or NgramSettings(), lambda: self.costs.value,
-            lambda rows, seconds: self._record("draft", rows, seconds)))
+            lambda rows, seconds: self._record("draft", rows, seconds), medusa))
+        self._hidden_users = {method for method, proposer in self.proposers.items() if proposer.wants_hidden}
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
         self.policy = DraftPolicy(k_max) if adaptive_k and k_max > 0 else None
         if self.policy is not None:
@@ -124,24 +127,63 @@ class BatchingEngine:
         rows = batch.requests
         inputs = [request.sequence[self.target.length(row):] + batch.proposals[row]
                   for row, request in enumerate(rows)]
-        logits = self.target.forward(inputs)[..., :self.vocab_size]  # [rows, width, V]
-        # Row r's logits at padded position first_logit[r] + j judge its draft token j (j = num_draft: the bonus).
+        # Rows whose method drafts from the target's hidden state (Medusa) need it after every step, drafted or not.
+        hidden_rows = [row for row, request in enumerate(rows) if request.method in self._hidden_users]
+        out = self.target.forward(inputs, trees=batch.trees if any(batch.trees) else None, hidden=bool(hidden_rows))
+        logits, hidden = out if hidden_rows else (out, None)
+        logits = logits[..., :self.vocab_size]  # [rows, width, V]
+        # Row r's logits at padded position first_logit[r] + j judge its draft token j (j = num_draft: the bonus);
+        # for a tree row, first_logit[r] + j is node j's (the root's at j = 0).
         batch.first_logit = torch.tensor([len(ids) for ids in inputs]) - batch.num_draft - 1
-        outcome = self._accept_greedy(batch, logits) | self._accept_sampled(batch, logits)
-        events = []
+        outcome = self._accept_greedy(batch, logits) | self._accept_sampled(batch, logits) | \
+            self._accept_trees(batch, logits)
+        events, last_position = [], []
         for row, request in enumerate(rows):
-            tokens, accepted = outcome[row]
-            drafted = len(batch.proposals[row])
+            tokens, accepted, path = outcome[row]
+            tree = batch.trees[row]
+            drafted = tree.max_depth if tree is not None else len(batch.proposals[row])
             base = len(request.prompt_ids) + len(request.generated)
+            if tree is not None:  # the accepted path's KV moves next to the root; the other branches are dropped
+                self.target.keep_path(row, base - 1, path)
             # Step 5: drop the KV of rejected draft tokens; the emitted extra token is fed next step.
             self.target.truncate(row, base + accepted)
             if self.draft is not None:
                 self.draft.truncate(row, base + accepted)
             if self.policy is not None:
                 self.policy.observe(request.id, drafted, accepted)
+            last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))
             events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row])))
+        if hidden_rows:
+            index = torch.tensor([last_position[row] for row in hidden_rows], device=hidden.device)
+            states = hidden[torch.tensor(hidden_rows, device=hidden.device), index]  # [R, d]
+            for method, proposer in self.proposers.items():
+                if proposer.wants_hidden:
+                    mine = [i for i, row in enumerate(hidden_rows) if rows[row].method == method]
+                    proposer.verified([rows[hidden_rows[i]] for i in mine], states[mine])
         self._record("target", logits.shape[0] * logits.shape[1], time.perf_counter() - start)
         return events
+
+    def _accept_trees(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list[int]]]:
+        """Tree rows one by one (trees differ in shape per row): the greedy longest path, or the lossless walk over
+        siblings with uniforms from the row's own generator (a fixed number per step, whatever the walk uses)."""
+        outcome = {}
+        for row, tree in enumerate(batch.trees):
+            if tree is None:
+                continue
+            request = batch.requests[row]
+            first = int(batch.first_logit[row])
+            judged = logits[row, first:first + tree.size]  # [N, V]: after the root and after each candidate
+            tokens = torch.tensor([[request.sequence[-1]] + batch.proposals[row]], device=logits.device)  # [1, N]
+            if request.params.greedy:
+                last, final = greedy_tree_accept(tree, tokens, judged.argmax(-1)[None])
+            else:
+                uniforms = torch.rand(uniforms_needed(tree), generator=request.generator,
+                                      device=request.generator.device).to(logits.device)
+                last, final = sampled_tree_accept(tree, tokens, logits_to_probs(judged, request.params)[None],
+                                                  uniforms[None])
+            path = tree.path_to(int(last))
+            outcome[row] = ([int(tokens[0, node]) for node in path] + [int(final)], len(path), path)
+        return outcome
 
     def _judged_positions(self, batch: StepBatch, chosen: list[int], width: int) -> torch.Tensor:
         """[len(chosen), K+1]: where each chosen row's draft tokens and its extra token are judged in the logits."""
@@ -151,7 +193,7 @@ class BatchingEngine:
 
     def _accept_greedy(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int]]:
         """All greedy rows through one accept_matching call; drafts padded with -1, which never matches."""
-        chosen = [row for row, request in enumerate(batch.requests) if request.params.greedy]
+        chosen = [row for row, request in enumerate(batch.requests) if request.params.greedy and batch.trees[row] is None]
         if not chosen:
             return {}
         argmax = logits.argmax(-1).cpu()  # [rows, width]; one small transfer instead of the logits
@@ -163,7 +205,8 @@ class BatchingEngine:
     def _accept_sampled(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int]]:
         """All sampled rows through one accept call. Each row's randomness comes from its own generator, drawn
         before the call (num_draft + 1 uniforms), so its tokens never depend on its neighbours."""
-        chosen = [row for row, request in enumerate(batch.requests) if not request.params.greedy]
+        chosen = [row for row, request in enumerate(batch.requests)
+                  if not request.params.greedy and batch.trees[row] is None]
         if not chosen:
             return {}
         k = batch.draft_tokens.shape[1]
@@ -204,7 +247,7 @@ class BatchingEngine:
                 runner.clear(slot)
 
 
-def _per_row(chosen: list[int], output: torch.Tensor, num_accepted: torch.Tensor) -> dict[int, tuple[list[int], int]]:
-    """row -> (emitted tokens, accepted draft tokens) from an accept rule's [n, K+1] output."""
+def _per_row(chosen: list[int], output: torch.Tensor, num_accepted: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
+    """row -> (emitted tokens, accepted draft tokens, no tree path) from an accept rule's [n, K+1] output."""
     output, num_accepted = output.tolist(), num_accepted.tolist()
-    return {row: (output[i][:num_accepted[i] + 1], num_accepted[i]) for i, row in enumerate(chosen)}
+    return {row: (output[i][:num_accepted[i] + 1], num_accepted[i], []) for i, row in enumerate(chosen)}

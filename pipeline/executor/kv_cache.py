@@ -52,6 +52,13 @@ class _SlotLayer:
             values[:, :, :old] = self.values
         self.keys, self.values = keys, values
 
+    def keep(self, row: int, dst: int, src: Tensor) -> None:
+        """Copy positions ``src`` [n] of ``row`` to ``dst .. dst + n - 1`` (a gather first: the ranges may overlap)."""
+        if self.keys is not None:
+            index = src.to(self.keys.device)
+            self.keys[row, :, dst:dst + len(src)] = self.keys[row, :, index]
+            self.values[row, :, dst:dst + len(src)] = self.values[row, :, index]
+
     def move(self, src: int, dst: int, length: int) -> None:
         if self.keys is not None:
             self.keys[dst, :, :length] = self.keys[src, :, :length]
@@ -85,9 +92,12 @@ class SlotKVCache(Cache):
 
     # ---- bookkeeping ----------------------------------------------------------------------------------------
 
-    def prepare(self, counts: list[int], width: int, device, dtype, first_row: int = 0) -> tuple[Tensor, Tensor]:
+    def prepare(self, counts: list[int], width: int, device, dtype, first_row: int = 0,
+                trees: list | None = None) -> tuple[Tensor, Tensor]:
         """Get rows [first_row, first_row + len(counts)) ready to take ``counts[i]`` new tokens each, padded to
-        ``width``.
+        ``width``. ``trees[i]`` (a speculative.tree.TokenTree, or None for a chain): row i's last ``tree.size``
+        tokens are that tree's nodes, root first; node j then sits at position root + depth(j) and attends to what
+        precedes the root and to its own ancestors (the tree mask), so each candidate sees exactly its own path.
 
         Returns (position_ids [rows, width], additive attention mask [rows, 1, width, kv_len] in ``dtype``: 0 where
         a token may attend, the dtype's minimum elsewhere; additive works with eager and SDPA attention alike).
@@ -104,7 +114,8 @@ class SlotKVCache(Cache):
         self.first_row = first_row
         self.kv_len = need
         blocked = torch.finfo(dtype).min
-        if len(set(lengths)) == 1 and all(count == width for count in counts):
+        trees = trees or [None] * rows
+        if len(set(lengths)) == 1 and all(count == width for count in counts) and not any(trees):
             # The common shapes (one request; a prefill) need no per-row indexing: a few ops instead of a dozen.
             start = lengths[0]
             self.write_index, self.write_span = None, (start, start + width)
@@ -123,8 +134,24 @@ class SlotKVCache(Cache):
         keys = torch.arange(need)  # [kv_len]
         # Token i of row r sits at starts[r] + i and sees every cached position up to and including its own.
         allowed = keys[None, None, :] <= (starts[:, None, None] + offsets[None, :, None])  # [rows, width, kv_len]
+        for row, tree in enumerate(trees):
+            if tree is not None:
+                root = counts[row] - tree.size  # the root's offset in the row's new tokens
+                start = lengths[row] + root
+                positions[row, root:root + tree.size] = start + tree.depth
+                allowed[row, root:root + tree.size, start:start + tree.size] = tree.mask
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, blocked)
         return positions.to(device), mask[:, None].to(device)
+
+    @torch.inference_mode()
+    def keep_path(self, row: int, root: int, nodes: list[int]) -> None:
+        """After a tree verify: the KV of tree nodes ``nodes`` (an accepted path, node indices from the root at cache
+        position ``root``) moves to the positions right after the root, where the path's tokens now belong; the
+        caller then truncates the rest."""
+        if nodes:
+            src = torch.tensor(nodes, dtype=torch.long) + root
+            for layer in self.layers:
+                layer.keep(row, root + 1, src)
 
     def advance(self, row: int, count: int) -> None:
         self.lengths[row] += count

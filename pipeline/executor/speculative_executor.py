@@ -16,7 +16,10 @@ from ..draft_vocab import logit_width, reduce_head
 from ..engine_info import EngineInfo, read_engine
 from ..errors import EngineError
 from ..layout import Layout
+from ..medusa_heads import ENGINE_SUBDIR
 from ..methods import Method, NgramSettings, parse_method
+from ..speculative.tree import TokenTree
+from ..speculative.tree_choices import DEFAULT_TREE, NAMED_TREES
 from .base import ExecutorBase
 from .batching_engine import BatchingEngine
 from .request import SpecRequest
@@ -31,15 +34,16 @@ class SpeculativeExecutor(ExecutorBase):
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
                  draft_len_limit: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                  adaptive_draft_len: bool = False, compile: bool = False, method: str = Method.DRAFT_MODEL,
-                 ngram: NgramSettings | None = None):
+                 ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE):
         """``max_batch_size``: requests that run at once (the rest wait); ``adaptive_draft_len``: let the engine
         lower K per step when the batch makes drafting unprofitable (serving; results never depend on it);
         ``compile``: torch.compile the forwards (first calls are slow); ``method``: who proposes draft tokens,
         "draft_model", "ngram" (lookup in the prompt and generated text; ``draft_model`` may be None) or
-        "ngram+draft" (per step, whichever promises more tokens per unit of cost)."""
+        "ngram+draft" (per step, whichever promises more tokens per unit of cost) or "medusa" (``medusa``: a
+        MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a list of paths)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
-        self.method = parse_method(method, draft_model is not None)
+        self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None)
         if self.method == Method.NGRAM:
             draft_model = None  # never run: lookups need no model
         self.device = torch.device(device)
@@ -57,11 +61,23 @@ class SpeculativeExecutor(ExecutorBase):
         # Padded embedding rows (e.g. Qwen 7B vs 0.5B) are not tokens: compare only ids both models have.
         self.vocab_size = target_vocab if draft_model is None else min(target_vocab, logit_width(draft_model))
         self.eos_token_ids = _eos_ids(target_model, tokenizer)
+        tree = None
+        if medusa is not None:
+            tree = TokenTree.from_choices(NAMED_TREES[medusa_choices] if isinstance(medusa_choices, str)
+                                          else medusa_choices)
+            medusa = _fit_heads(medusa, target_model, tree)
+            if self.method == Method.MEDUSA:  # K is the tree's depth (a smaller K cuts the tree)
+                self.max_draft_len = max_draft_len = tree.max_depth
         self.engine = BatchingEngine(
             target_model, draft_model, device=self.device, max_batch=max_batch_size,
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             k_max=max(max_draft_len, draft_len_limit or 0), acceptance=acceptance,
-            adaptive_k=adaptive_draft_len, compile=compile, ngram=ngram)
+            adaptive_k=adaptive_draft_len, compile=compile, ngram=ngram,
+            medusa=(medusa, tree) if medusa is not None else None)
+
+    @property
+    def has_medusa_heads(self) -> bool:
+        return self.engine.proposers.get(Method.MEDUSA) is not None
 
     @property
     def has_draft_model(self) -> bool:
@@ -82,9 +98,12 @@ class SpeculativeExecutor(ExecutorBase):
                         acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None,
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                         compile: bool = False, method: str = Method.DRAFT_MODEL,
-                        ngram: NgramSettings | None = None, draft_dtype: str | None = None) -> SpeculativeExecutor:
+                        ngram: NgramSettings | None = None, draft_dtype: str | None = None, medusa=None,
+                        medusa_choices=DEFAULT_TREE) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
-        ``draft`` may be None with ``method="ngram"``; ``draft_dtype`` (default ``dtype``): the draft's own."""
+        ``draft`` may be None with ``method="ngram"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
+        draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
+        ``medusa_choices``."""
         from ..checks import compare_tokenizers, max_positions
 
         target_model, target_tok = _load(target, "target", dtype, trust_remote_code)
@@ -102,7 +121,8 @@ class SpeculativeExecutor(ExecutorBase):
             max_seq_len = min(limits)
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
-                   max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram)
+                   max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
+                   medusa_choices=medusa_choices)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,
@@ -125,7 +145,9 @@ class SpeculativeExecutor(ExecutorBase):
                                   f"engines (they run on the GPUs recorded at build time and choose K per request); "
                                   f"leave them out")
             return TrtllmSpeculativeExecutor.from_engines(layout.root, method=method, ngram=ngram)
-        method = parse_method(method, has_draft_model=True, error=EngineError)
+        heads_dir = layout.engine_dir("target") / ENGINE_SUBDIR
+        medusa = heads_dir if target_info.medusa_choices and heads_dir.is_dir() else None
+        method = parse_method(method, has_draft_model=True, error=EngineError, has_medusa_heads=medusa is not None)
         draft_model = None
         if method.needs_draft_model:
             if not layout.engine_dir("draft").exists():
@@ -146,7 +168,8 @@ class SpeculativeExecutor(ExecutorBase):
                    acceptance=target_info.acceptance, max_seq_len=target_info.max_seq_len,
                    max_input_len=target_info.max_input_len, draft_len_limit=target_info.max_draft_len,
                    max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
-                   compile=compile, method=method, ngram=ngram)
+                   compile=compile, method=method, ngram=ngram, medusa=medusa,
+                   medusa_choices=target_info.medusa_choices or DEFAULT_TREE)
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
 
@@ -163,6 +186,22 @@ class SpeculativeExecutor(ExecutorBase):
         finally:  # a consumer that stops early (a closed stream) frees its rows at the engine's next step
             for request in requests:
                 self.engine.cancel(request)
+
+
+def _fit_heads(heads, target_model, tree):
+    """The heads on the target's device and dtype, checked against the target and the tree."""
+    from ..medusa_heads import MedusaHeads
+
+    if isinstance(heads, (str, Path)):
+        heads = MedusaHeads.load(Path(heads))
+    out = target_model.get_output_embeddings().weight
+    if heads.hidden_size != out.shape[1] or heads.vocab_size != out.shape[0]:
+        raise RequestError(f"medusa: heads for hidden size {heads.hidden_size} and vocabulary {heads.vocab_size}, "
+                           f"the target has {out.shape[1]} and {out.shape[0]}; train heads for this target")
+    if tree.max_depth > heads.num_heads:
+        raise RequestError(f"medusa_choices: the tree is {tree.max_depth} deep but there are {heads.num_heads} heads; "
+                           f"drop the deeper paths")
+    return heads.to(device=out.device, dtype=out.dtype).restrict().eval()
 
 
 def _auto_device() -> str:

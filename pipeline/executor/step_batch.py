@@ -25,6 +25,9 @@ class StepBatch:
     proposal_probs: list[Tensor | None] = field(default_factory=list)  # [B] [num_draft, V] for sampled rows, else None
     proposer: list[Method | None] = field(default_factory=list)  # [B] who drafted each row (None: a plain step)
     lookups: dict[int, list[int]] = field(default_factory=dict)  # row -> the n-gram match found this step
+    # [B] a row whose proposal is a tree (Medusa): its TokenTree, the proposal being the nodes after the root in node
+    # order; None for a chain (draft tokens one after another)
+    trees: list = field(default_factory=list)
     # Laid out by seal():
     draft_tokens: Tensor | None = None  # [B, K] long, PAD after a row's own proposals; K = the widest row's count
     num_draft: Tensor | None = None  # [B] long
@@ -37,23 +40,29 @@ class StepBatch:
         self.proposals = [[] for _ in range(rows)]
         self.proposal_probs = [None] * rows
         self.proposer = [None] * rows
+        self.trees = [None] * rows
 
-    def put(self, row: int, tokens: list[int], probs: Tensor | None, proposer: Method) -> None:
+    def put(self, row: int, tokens: list[int], probs: Tensor | None, proposer: Method, tree=None) -> None:
         """Row ``row``'s proposal: ``tokens`` (at most k[row]) and, for a sampled row, the [len(tokens), V]
-        distributions they were drawn from."""
+        distributions they were drawn from; or with ``tree`` its candidates, one per node after the root (their
+        distributions are point masses: the tree's accept rule needs none)."""
         if tokens:
             self.proposals[row] = tokens
             self.proposal_probs[row] = probs
             self.proposer[row] = proposer
+            self.trees[row] = tree
 
     def seal(self, vocab: int, device: torch.device) -> None:
+        """Lay out the chains: a tree row counts its candidates in num_draft but stays PAD in draft_tokens (the tree
+        accept rule reads its proposal directly), so a wide tree does not widen the chain rows' tensors."""
         rows = len(self.requests)
-        width = max((len(tokens) for tokens in self.proposals), default=0)
+        chains = [tokens if self.trees[row] is None else [] for row, tokens in enumerate(self.proposals)]
+        width = max((len(tokens) for tokens in chains), default=0)
         self.num_draft = torch.tensor([len(tokens) for tokens in self.proposals], dtype=torch.long)
         self.draft_tokens = torch.full((rows, width), PAD, dtype=torch.long)
-        for row, tokens in enumerate(self.proposals):
+        for row, tokens in enumerate(chains):
             self.draft_tokens[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        if all(request.params.greedy for request in self.requests):
+        if all(request.params.greedy or self.trees[row] is not None for row, request in enumerate(self.requests)):
             return
         self.draft_probs = torch.zeros(rows, width, vocab, device=device)
         for row, probs in enumerate(self.proposal_probs):

@@ -10,6 +10,11 @@ Per target step (one request):
 Prompt handling, K (fixed or "auto"), request checks, stops, UTF-8 deltas and statistics come from ExecutorBase and
 SpecRequest, shared with the torch executor. The engine boundary is pipeline.backends.trtllm_runner.TrtllmRunner;
 the real one is ModelRunnerEngine there, tests substitute a fake (named as such).
+
+A Medusa target (speculative.method: medusa) has no draft engine: its heads propose a tree and the engine verifies
+it inside, step after step, so one engine call decodes a whole request. TensorRT-LLM 1.1.0 verifies that tree by
+token match against the target's top-1 token only, so such an engine serves greedy requests (temperature 0, or
+top_k 1) and refuses sampled ones rather than return tokens that do not follow the target's distribution.
 """
 
 from __future__ import annotations
@@ -20,12 +25,14 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..backends.trtllm_runner import EngineLimits, Sampling, TrtllmRunner
+from ..errors import EngineError
 from ..methods import Method, NgramSettings, parse_method
 from ..speculative.ngram import propose_ngram
 from .base import ExecutorBase
 from .proposers import CostRatio, prefer_lookup
 from .request import SpecRequest
-from .results import StreamEvent
+from .request_values import DraftLen
+from .results import RequestError, StreamEvent
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): step seeds of nearby request seeds differ
 
@@ -48,17 +55,51 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def engine_method(method: str, has_draft_model: bool, medusa_engine: bool, error) -> Method:
+    """The method engines built this way can serve: a Medusa engine (built with speculative_decoding_mode medusa)
+    verifies its own heads' tree only, and the other engines take external draft tokens only."""
+    chosen = parse_method(method, has_draft_model, error=error, has_medusa_heads=medusa_engine)
+    if medusa_engine and chosen != Method.MEDUSA:
+        raise error(f"method: {chosen.value!r} feeds the target external draft tokens, but these TensorRT-LLM "
+                    f"engines were built for Medusa (speculative_decoding_mode medusa), which drafts with its heads "
+                    f"only; use method 'medusa', or build with speculative.method: {chosen.value}")
+    return chosen
+
+
+def check_medusa_request(request: SpecRequest, tree_depth: int | None) -> None:
+    """What a TensorRT-LLM 1.1.0 Medusa engine cannot do for a request; raises RequestError naming the value."""
+    if request.method != Method.MEDUSA:
+        raise RequestError(f"method: {request.method.value!r} needs external draft tokens, but this TensorRT-LLM "
+                           f"engine was built for Medusa; use method 'medusa' (or leave it unset)")
+    params = request.params
+    if not params.greedy and params.top_k != 1:
+        raise RequestError(f"temperature: {params.temperature} with top_k {params.top_k} samples, but TensorRT-LLM "
+                           f"1.1.0's Medusa verifies greedily only (it keeps draft tokens equal to the target's top-1 "
+                           f"token), so sampled output would not follow the target's distribution; use temperature 0 "
+                           f"(or top_k 1), or the torch backend, which samples losslessly over the tree")
+    plan = request.plan
+    if plan.dynamic or plan.explicit and plan.k_max != tree_depth:
+        asked = "'auto'" if plan.dynamic else plan.k_max
+        raise RequestError(f"max_draft_len: {asked}, but a TensorRT-LLM Medusa engine verifies its whole tree "
+                           f"(depth {tree_depth}, fixed when the engine is opened) every step; leave max_draft_len "
+                           f"unset, or use the torch backend, which cuts the tree per request")
+
+
 class TrtllmSpeculativeExecutor(ExecutorBase):
     """generate()/generate_stream()/run() of ExecutorBase over two TensorRT-LLM engines."""
 
     def __init__(self, target: TrtllmRunner, draft: TrtllmRunner | None, tokenizer, limits: EngineLimits,
                  max_draft_len: int, acceptance: str = "rejection", eos_token_ids: Sequence[int] = (),
-                 method: str = Method.DRAFT_MODEL, ngram: NgramSettings | None = None):
+                 method: str = Method.DRAFT_MODEL, ngram: NgramSettings | None = None,
+                 medusa_choices: list[list[int]] | None = None):
         """``method``: "draft_model", "ngram" (lookups fed to the target as external draft tokens, as TensorRT-LLM's
-        examples/ngram does; ``draft`` may be None) or "ngram+draft" (per step, the better of the two)."""
+        examples/ngram does; ``draft`` may be None), "ngram+draft" (per step, the better of the two) or "medusa"
+        (``target`` is a Medusa engine opened with ``medusa_choices``, its tree; ``draft`` is None)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
-        self.method = parse_method(method, draft is not None)
+        self.medusa_choices = medusa_choices
+        self.has_medusa_heads = medusa_choices is not None
+        self.method = engine_method(method, draft is not None, medusa_choices is not None, ValueError)
         self.ngram = ngram or NgramSettings()
         self.costs = CostRatio()  # a draft token's seconds over a verify call's
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
@@ -84,7 +125,8 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
     def from_engines(cls, root, target_device_ids: list[int] | None = None,
                      draft_device_ids: list[int] | None = None, method: str | None = None,
                      ngram: NgramSettings | None = None) -> TrtllmSpeculativeExecutor:
-        """Load engines/<name> built by the trtllm backend (target/build, and draft/build unless the method is ngram).
+        """Load engines/<name> built by the trtllm backend (target/build, and draft/build unless the method is ngram
+        or medusa).
 
         ``method`` and ``ngram`` default to what the engines were built for (engine.json). GPUs default to
         runtime.target_device_ids / runtime.draft_device_ids as recorded there at build time; pass them to override
@@ -99,11 +141,22 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         trtllm_loading.import_tensorrt_llm("running TensorRT-LLM engines")  # first: without it nothing runs
         layout = Layout(Path(root))
         info = read_engine(layout.root, "target")
-        method = parse_method(method or info.built_method(layout.engine_dir("draft").exists()), True)
+        method = engine_method(method or info.built_method(layout.engine_dir("draft").exists()), True,
+                               bool(info.medusa_choices), EngineError)
         opened = trtllm_loading.open_engines(layout.root, method, target_device_ids, draft_device_ids)
         return cls(opened.target, opened.draft, opened.tokenizer, opened.limits, opened.limits.max_draft_len,
                    opened.acceptance, eos_token_ids=opened.eos_token_ids, method=method,
-                   ngram=ngram or info.ngram_settings())
+                   ngram=ngram or info.ngram_settings(), medusa_choices=opened.medusa_choices)
+
+    def new_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                    seed: int | None = None, max_draft_len: DraftLen = None,
+                    stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
+                    method: str | None = None) -> SpecRequest:
+        request = super().new_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
+                                      stop_token_ids, with_text, method)
+        if self.has_medusa_heads:
+            check_medusa_request(request, self.draft_len_limit)
+        return request
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
 
@@ -115,7 +168,7 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
             while not request.finished:
                 k = request.draft_len()
                 step = request.stats.target_steps
-                if k == 0 and request.plan.k_max == 0:
+                if (k == 0 and request.plan.k_max == 0) or request.method == Method.MEDUSA:
                     yield request, self._target_only(request, seed)
                     continue
                 tokens, drafted, accepted, proposer = self._step(request, k, seed, step)
@@ -160,7 +213,9 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         return Method.DRAFT_MODEL, []
 
     def _target_only(self, request: SpecRequest, seed: int) -> StreamEvent:
-        """K = 0 for the whole request: one engine call generates everything (the engine decodes in-flight)."""
+        """K = 0 for the whole request, or a Medusa engine (it drafts and verifies inside): one engine call
+        generates everything, decoding in-flight. ModelRunnerCpp reports no per-step counts, so the statistics count
+        one step per token (Triton's return_perf_metrics has a Medusa engine's acceptance)."""
         step = request.stats.target_steps
         out = self.target.generate(request.sequence, request.remaining, self._sampling(request, seed, step, 1))
         event = request.advance(out.token_ids, 0, 0, plain_run=True)

@@ -39,7 +39,10 @@ def cmd_deploy(args) -> int:
     print(f"deploy {result.status}: {result.path} ({', '.join(result.manifest.get('models', []))})")
     if config.backend == "trtllm":
         print(f"launch in the TensorRT-LLM container with {result.path / 'launch.sh'} (see its README.md)")
-        if config.speculative.method != Method.DRAFT_MODEL:
+        if config.speculative.method == Method.MEDUSA:
+            print("note: speculative.method 'medusa': the tensorrt_llm model verifies the Medusa tree itself "
+                  "(greedy only in TensorRT-LLM 1.1.0; sampled requests are not lossless there)")
+        elif config.speculative.method != Method.DRAFT_MODEL:
             print(f"note: speculative.method {config.speculative.method.value!r}: on Triton the TensorRT-LLM layout "
                   f"drafts with the draft engine only (tensorrt_llm_bls); n-gram proposals on TensorRT-LLM run "
                   f"through the Python executor (`python -m pipeline run`)")

@@ -79,7 +79,8 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         "ngram_max_match": config.speculative.ngram.max_match,
         "config_name": config.name,
         # For clients: the largest num_draft_tokens the model takes (scripts/load_test.py reads it from here).
-        "max_draft_len": config.speculative.max_draft_len,
+        "max_draft_len": config.speculative.medusa.tree().max_depth if config.speculative.medusa is not None
+        and config.speculative.method == "medusa" else config.speculative.max_draft_len,
     })
     return model
 

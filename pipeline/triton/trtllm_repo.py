@@ -1,6 +1,6 @@
 """The tensorrtllm_backend model repository for TensorRT-LLM engines (the production GPU path).
 
-Six models, each config.pbtxt written whole from the pipeline config:
+Six models for a draft engine, each config.pbtxt written whole from the pipeline config:
 
 - ``tensorrt_llm``        C++ ``tensorrtllm`` backend on the TARGET engine (verifies draft tokens in-engine)
 - ``tensorrt_llm_draft``  the same backend on the DRAFT engine
@@ -8,7 +8,11 @@ Six models, each config.pbtxt written whole from the pipeline config:
 - ``preprocessing`` / ``postprocessing``  tokenizer in / out (Python)
 - ``ensemble``            preprocessing -> tensorrt_llm -> postprocessing (target only, no drafting)
 
-The three Python models run the upstream ``model.py`` files of the pinned TensorRT-LLM release (they are not
+For speculative.method medusa there is no draft engine and no BLS: the ``tensorrt_llm`` model's engine drafts with
+its heads and verifies the tree itself (decoding_mode medusa, medusa_choices from the config), and requests go
+through the ``ensemble``; four models.
+
+The Python models run the upstream ``model.py`` files of the pinned TensorRT-LLM release (they are not
 copied into this project); ``launch.sh`` copies them from the serving container (or a checkout of that release)
 into the version folders before starting the server. Every config.pbtxt declares each tensor and parameter of the
 release's template (tests/data/trtllm_1.1.0_triton, checked by tests/test_trtllm_templates.py); the parameters
@@ -25,7 +29,7 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..backends.trtllm_api import (CONTAINER_TRITON_LAUNCHER, CONTAINER_TRITON_MODELS, PINNED_VERSION,
-                                   TOKENIZER_DIR, TRITON_CONTAINER, kv_cache_fractions)
+                                   TOKENIZER_DIR, TRITON_CONTAINER, is_medusa, kv_cache_fractions, medusa_choices)
 from ..backends.trtllm_preflight import read_engine_config
 from ..config import PipelineConfig
 from . import trtllm_tensors as T
@@ -58,11 +62,25 @@ TENSORRT_LLM_UNSET: dict[str, str] = {
     "lookahead_window_size": "read only when decoding_mode is lookahead",
     "lookahead_ngram_size": "read only when decoding_mode is lookahead",
     "lookahead_verification_set_size": "read only when decoding_mode is lookahead",
-    "medusa_choices": "no Medusa heads (draft_tokens_external)",
+    "medusa_choices": "no Medusa heads (draft_tokens_external); written for speculative.method medusa",
     "eagle_choices": "no EAGLE heads (draft_tokens_external)",
 }
+
 # preprocessing/1/model.py reads max_num_images with .get() and uses None when it is missing (multimodal only).
 PREPROCESSING_UNSET: dict[str, str] = {"max_num_images": "text-only models; model.py uses None when missing"}
+
+
+def tensorrt_llm_unset(config: PipelineConfig) -> dict[str, str]:
+    """TENSORRT_LLM_UNSET for this config: a Medusa target's model writes medusa_choices."""
+    if not is_medusa(config):
+        return TENSORRT_LLM_UNSET
+    return {key: reason for key, reason in TENSORRT_LLM_UNSET.items() if key != "medusa_choices"}
+
+
+def medusa_choices_text(paths: list[list[int]]) -> str:
+    """medusa_choices as the tensorrt_llm model's parameter: "{0}, {0, 0}, {1}" (tensorrt_llm/1/model.py turns the
+    braces into brackets and reads it as JSON); every node of the tree once, parents first."""
+    return ", ".join("{" + ", ".join(str(rank) for rank in path) + "}" for path in medusa_choices(paths))
 
 
 @dataclass(frozen=True)
@@ -106,7 +124,7 @@ def forwards_draft_logits(config: PipelineConfig, vocab: EngineVocab) -> bool:
     pair the repository leaves `use_draft_logits` out (requests use token matching, still lossless); while the
     engines are not built, launch.sh checks the widths before starting.
     """
-    return config.speculative.acceptance == "rejection" and not vocab.differ
+    return config.speculative.acceptance == "rejection" and not vocab.differ and not is_medusa(config)
 
 
 def stage_inputs(paths: TrtllmPaths, vocab: EngineVocab) -> dict:
@@ -118,18 +136,18 @@ def stage_inputs(paths: TrtllmPaths, vocab: EngineVocab) -> dict:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """MPI layout for two TensorRT-LLM models in one server (orchestrator mode, processes not spawned).
+    """MPI layout for the TensorRT-LLM models in one server (orchestrator mode, processes not spawned).
 
-    Rank 0 is the Triton orchestrator; the target takes ranks 1..tp*pp and the draft (TP=1) the next rank.
+    Rank 0 is the Triton orchestrator; the target takes ranks 1..tp*pp and the draft (TP=1), if any, the next rank.
     """
 
     target_ranks: list[int]
-    draft_ranks: list[int]
+    draft_ranks: list[int]  # empty without a draft engine (medusa)
 
     @classmethod
     def for_config(cls, config: PipelineConfig) -> RankPlan:
         n = config.build.parallel.world_size
-        return cls(list(range(1, n + 1)), [n + 1])
+        return cls(list(range(1, n + 1)), [n + 1] if "draft" in config.roles else [])
 
     @property
     def world_size(self) -> int:
@@ -154,10 +172,13 @@ def _ids(values: list[int]) -> str:
 
 
 def tensorrt_llm_config(config: PipelineConfig, name: str, engine_dir: Path, device_ids: list[int],
-                        participant_ids: list[int], kv_fraction: float, fast_logits: bool) -> mc.ModelConfig:
+                        participant_ids: list[int], kv_fraction: float, fast_logits: bool,
+                        medusa: list[list[int]] | None = None) -> mc.ModelConfig:
+    """One tensorrtllm-backend model; ``medusa``: the tree of a Medusa engine (its rank paths), else None."""
     kv = config.build.kv_cache
     model = mc.ModelConfig(name=name, backend="tensorrtllm", max_batch_size=config.build.max_batch_size)
-    # Speculative decoding through the BLS is request/response only (upstream: no streaming with a draft model).
+    # Speculative decoding through the BLS is request/response only (upstream: no streaming with a draft model);
+    # a Medusa model keeps the same setting.
     model.model_transaction_policy.decoupled = False
     model.dynamic_batching.preferred_batch_size.append(config.build.max_batch_size)
     model.dynamic_batching.max_queue_delay_microseconds = config.serve.max_queue_delay_us
@@ -183,8 +204,9 @@ def tensorrt_llm_config(config: PipelineConfig, name: str, engine_dir: Path, dev
         "gpu_device_ids": _ids(device_ids),
         "participant_ids": _ids(participant_ids),
         "num_nodes": 1,  # launch.sh starts every rank on this machine
-        # Sampling decoder; the external-draft-tokens path is switched on per request by draft_input_ids.
-        "decoding_mode": "top_k_top_p",
+        # Sampling decoder; the external-draft-tokens path is switched on per request by draft_input_ids. A Medusa
+        # engine decodes with its heads (tensorrt_llm/1/model.py maps "medusa" to DecodingMode.Medusa()).
+        "decoding_mode": "top_k_top_p" if medusa is None else "medusa",
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
         "gpu_weights_percent": 1.0,  # every weight stays on the GPU
         "enable_context_fmha_fp32_acc": False,
@@ -199,6 +221,10 @@ def tensorrt_llm_config(config: PipelineConfig, name: str, engine_dir: Path, dev
         "guided_decoding_backend": "",  # empty: no guided decoding
         "xgrammar_tokenizer_info_path": "",
     })
+    if medusa is not None:
+        # The tree the engine verifies; left out, the backend would use its default mc_sim_7b_63 whatever tree the
+        # config names.
+        set_parameters(model, {"medusa_choices": medusa_choices_text(medusa)})
     return model
 
 
@@ -282,12 +308,29 @@ def ensemble_config(config: PipelineConfig) -> mc.ModelConfig:
     return model
 
 
+def repository_kv_fractions(config: PipelineConfig) -> tuple[float, float]:
+    """(target, draft) KV-cache fractions; without a draft engine the target takes the configured one."""
+    fraction = config.build.kv_cache.free_gpu_mem_fraction
+    if "draft" not in config.roles:
+        return fraction, 0.0
+    return kv_cache_fractions(fraction, config.runtime.target_device_ids, config.runtime.draft_device_ids)
+
+
+def python_models(config: PipelineConfig) -> tuple[str, ...]:
+    """The upstream Python models this repository runs (the BLS only for a draft engine)."""
+    return UPSTREAM_PYTHON_MODELS if "draft" in config.roles else (PREPROCESSING, POSTPROCESSING)
+
+
 def repository_configs(config: PipelineConfig, paths: TrtllmPaths,
                        vocab: EngineVocab | None = None) -> list[mc.ModelConfig]:
     ranks = RankPlan.for_config(config)
     runtime = config.runtime
-    target_kv, draft_kv = kv_cache_fractions(config.build.kv_cache.free_gpu_mem_fraction,
-                                             runtime.target_device_ids, runtime.draft_device_ids)
+    target_kv, draft_kv = repository_kv_fractions(config)
+    if is_medusa(config):  # no draft engine, no BLS: the ensemble feeds the Medusa engine directly
+        return [preprocessing_config(config, paths), postprocessing_config(config, paths),
+                tensorrt_llm_config(config, TARGET, paths.target_engine, runtime.target_device_ids,
+                                    ranks.target_ranks, target_kv, False, config.speculative.medusa.paths()),
+                ensemble_config(config)]
     draft_logits = forwards_draft_logits(config, vocab or EngineVocab(None, None))
     return [
         preprocessing_config(config, paths),
@@ -304,8 +347,9 @@ def repository_configs(config: PipelineConfig, paths: TrtllmPaths,
 def launch_argv(config: PipelineConfig, repo: Path | str, launcher: str = "${LAUNCHER}") -> list[str]:
     """The container's launcher: one MPI rank per GPU process plus the orchestrator (see RankPlan)."""
     serve = config.serve
+    models = f"{TARGET},{DRAFT}" if "draft" in config.roles else TARGET
     return ["python3", launcher, "--world_size", str(RankPlan.for_config(config).world_size),
-            "--model_repo", str(repo), "--tensorrt_llm_model_name", f"{TARGET},{DRAFT}", "--multi-model",
+            "--model_repo", str(repo), "--tensorrt_llm_model_name", models, "--multi-model",
             "--disable-spawn-processes", "--http_port", str(serve.http_port), "--grpc_port", str(serve.grpc_port),
             "--metrics_port", str(serve.metrics_port)]
 
@@ -337,21 +381,24 @@ PY
 
 
 def _launch_script(config: PipelineConfig, paths: TrtllmPaths, draft_logits: bool) -> str:
-    copies = "\n".join(f'cp -r "$UPSTREAM/{m}/1/." "$HERE/{m}/1/"' for m in UPSTREAM_PYTHON_MODELS)
+    models = python_models(config)
+    copies = "\n".join(f'cp -r "$UPSTREAM/{m}/1/." "$HERE/{m}/1/"' for m in models)
     command = launch_command(config, '"$HERE"')
     check = _vocab_check(paths) if draft_logits else ""
+    what = (f"the Medusa target (speculative_decoding_mode medusa, greedy requests only)" if is_medusa(config)
+            else "the target and draft engines")
     return f"""#!/usr/bin/env bash
-# Generated by `python -m pipeline deploy` for config {config.name!r}. Run inside {CONTAINER}
+# Generated by `python -m pipeline deploy` for config {config.name!r}: Triton on {what}. Run inside {CONTAINER}
 # (TensorRT-LLM {TRTLLM_RELEASE}) with the engines at the paths named in */config.pbtxt.
 set -euo pipefail
 HERE="$(cd "$(dirname "${{BASH_SOURCE[0]}}")" && pwd)"
-# The Python models (preprocessing, postprocessing, tensorrt_llm_bls) are upstream's model.py files of the same
+# The Python models ({', '.join(models)}) are upstream's model.py files of the same
 # release: the container keeps them in {CONTAINER_TRITON_MODELS}; elsewhere point TRTLLM_TRITON_MODELS at
 # triton_backend/all_models/inflight_batcher_llm of a TensorRT-LLM {TRTLLM_RELEASE} checkout.
 UPSTREAM="${{TRTLLM_TRITON_MODELS:-{CONTAINER_TRITON_MODELS}}}"
 LAUNCHER="${{TRTLLM_TRITON_LAUNCHER:-{CONTAINER_TRITON_LAUNCHER}}}"
-if [ ! -d "$UPSTREAM/{BLS}/1" ]; then
-  echo "error: TRTLLM_TRITON_MODELS: $UPSTREAM has no {BLS}/1; point it at triton_backend/all_models/inflight_batcher_llm of TensorRT-LLM {TRTLLM_RELEASE}" >&2
+if [ ! -d "$UPSTREAM/{models[-1]}/1" ]; then
+  echo "error: TRTLLM_TRITON_MODELS: $UPSTREAM has no {models[-1]}/1; point it at triton_backend/all_models/inflight_batcher_llm of TensorRT-LLM {TRTLLM_RELEASE}" >&2
   exit 1
 fi
 {check}{copies}
@@ -408,12 +455,59 @@ curl -s localhost:{config.serve.http_port}/v2/models/{BLS}/generate \\
 """
 
 
+def _medusa_readme(config: PipelineConfig, repo: Path, paths: TrtllmPaths, kv: float) -> str:
+    ranks = RankPlan.for_config(config)
+    p = config.build.parallel
+    medusa = config.speculative.medusa
+    tree = medusa.tree()
+    name = medusa.choices if isinstance(medusa.choices, str) else "from the config"
+    return f"""# Triton repository for {config.name} (TensorRT-LLM backend, Medusa)
+
+Generated by `python -m pipeline deploy`; every config.pbtxt is written whole from the pipeline config and
+declares every tensor and parameter of the TensorRT-LLM {TRTLLM_RELEASE} templates, except parameters of features
+this pipeline does not use (LoRA, lookahead, EAGLE, ...), left out so the backend takes its defaults; the list and
+reasons are `tensorrt_llm_unset()` in pipeline/triton/trtllm_repo.py.
+
+Speculative decoding with Medusa heads: the target engine drafts with its {medusa.heads} heads and verifies the
+candidate tree (`decoding_mode` medusa, `medusa_choices`: tree {name}, {tree.size - 1} nodes, depth
+{tree.max_depth}) inside, every step. No draft engine, no BLS model.
+
+| model | backend | engine / role |
+|---|---|---|
+| {TARGET} | tensorrtllm | Medusa target engine `{paths.target_engine}` (tp={p.tp}, pp={p.pp}, GPUs {config.runtime.target_device_ids}, MPI ranks {ranks.target_ranks}, kv_cache_free_gpu_mem_fraction {kv}) |
+| {PREPROCESSING} / {POSTPROCESSING} | python (upstream model.py) | tokenizer `{paths.tokenizer_dir}` |
+| {ENSEMBLE} | ensemble | preprocessing -> {TARGET} (Medusa) -> postprocessing: the request path |
+
+Greedy only: TensorRT-LLM {TRTLLM_RELEASE}'s Medusa keeps draft tokens equal to the target's top-1 token. The server
+does not refuse sampling parameters, but with `temperature` > 0 (and `top_k` other than 1) the output does not
+follow the target's distribution; leave them unset (the engine's default top-k is 1), or serve with backend: torch,
+which samples losslessly over the tree.
+
+The model.py files of the two Python models are NOT generated: `launch.sh` copies them from
+`{CONTAINER_TRITON_MODELS}` (or `$TRTLLM_TRITON_MODELS`) before starting. Launch in `{CONTAINER}`:
+
+```bash
+./launch.sh
+# which runs (world size = 1 orchestrator + {len(ranks.target_ranks)} target ranks):
+# (from the triton_backend folder of that release)
+{launch_command(config, repo, DISPLAY_LAUNCHER)}
+```
+
+Request (greedy; `return_perf_metrics` returns the engine's acceptance counts):
+
+```bash
+curl -s localhost:{config.serve.http_port}/v2/models/{ENSEMBLE}/generate \\
+  -d '{{"text_input": "def fibonacci(n):", "max_tokens": 64, "return_perf_metrics": true}}'
+```
+"""
+
+
 def write_trtllm_repository(repo: Path, config: PipelineConfig, paths: TrtllmPaths, final_repo: Path,
                             vocab: EngineVocab | None = None) -> list[Path]:
     """Write into ``repo`` (a temp folder); texts name ``final_repo``, where it is renamed to on success."""
     vocab = vocab or EngineVocab(None, None)
     draft_logits = forwards_draft_logits(config, vocab)
-    if config.speculative.acceptance == "rejection" and not draft_logits:
+    if config.speculative.acceptance == "rejection" and not draft_logits and not is_medusa(config):
         print(f"note: {paths.draft_engine}: vocab_size {vocab.draft} differs from the target's {vocab.target}; "
               f"the Triton BLS forwards draft logits unpadded, so this repository leaves {USE_DRAFT_LOGITS} out "
               f"and verifies by token matching", file=sys.stderr)
@@ -421,7 +515,8 @@ def write_trtllm_repository(repo: Path, config: PipelineConfig, paths: TrtllmPat
     script = repo / "launch.sh"
     script.write_text(_launch_script(config, paths, draft_logits))
     script.chmod(0o755)
-    kv = kv_cache_fractions(config.build.kv_cache.free_gpu_mem_fraction, config.runtime.target_device_ids,
-                            config.runtime.draft_device_ids)
-    (repo / "README.md").write_text(_readme(config, final_repo, paths, draft_logits, vocab, kv))
+    kv = repository_kv_fractions(config)
+    readme = _medusa_readme(config, final_repo, paths, kv[0]) if is_medusa(config) else \
+        _readme(config, final_repo, paths, draft_logits, vocab, kv)
+    (repo / "README.md").write_text(readme)
     return folders

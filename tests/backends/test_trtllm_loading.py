@@ -66,7 +66,7 @@ def test_executor_engines_get_the_shared_kv_split(monkeypatch, tmp_path, draft_i
     opened = {}
 
     class RecordingEngine:  # FAKE ModelRunnerEngine: records what each engine would be opened with
-        def __init__(self, engine_dir, device_ids, kv_fraction, *args):
+        def __init__(self, engine_dir, device_ids, kv_fraction, *args, **kwargs):
             opened[Path(engine_dir).parent.name] = (list(device_ids), kv_fraction)
 
     monkeypatch.setattr(trtllm_loading, "import_tensorrt_llm", lambda what: type("M", (), {"__version__":
@@ -96,7 +96,7 @@ def test_ngram_loads_only_the_target_engine(monkeypatch, tmp_path):
     class RecordingEngine:  # FAKE ModelRunnerEngine
         vocab_size = 300
 
-        def __init__(self, engine_dir, *args):
+        def __init__(self, engine_dir, *args, **kwargs):
             opened.append(Path(engine_dir).parent.name)
 
     monkeypatch.setattr(trtllm_loading, "import_tensorrt_llm", lambda what: type("M", (), {"__version__":

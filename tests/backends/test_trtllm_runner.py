@@ -84,3 +84,19 @@ def test_model_runner_calls_bind_to_the_recorded_signatures(monkeypatch, tmp_pat
         check_call("from_dir", ("/e",), {"kv_cache_free_gpu_mem_fraction": 0.5})
     with pytest.raises(AssertionError, match="silently ignored"):
         check_call("generate", ([],), {"draft_token_list": [[1]]})
+
+
+def test_medusa_choices_reach_from_dir_under_the_recorded_keyword(monkeypatch, tmp_path):
+    runtime = types.ModuleType("tensorrt_llm.runtime")
+    runtime.ModelRunnerCpp = RecordingModelRunnerCpp
+    monkeypatch.setitem(sys.modules, "tensorrt_llm", types.ModuleType("tensorrt_llm"))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.runtime", runtime)
+    from pipeline.backends.trtllm_runner import ModelRunnerEngine
+
+    RecordingModelRunnerCpp.calls = []
+    tree = [[0], [1], [0, 0]]
+    ModelRunnerEngine(tmp_path, [0, 1], 0.85, True, False, 2, 2, 8191, medusa_choices=tree)
+    ModelRunnerEngine(tmp_path, [0], 0.85, True, False, 2, 2, 8191)
+    (_, medusa), (_, plain) = RecordingModelRunnerCpp.calls  # both bound to the recorded from_dir signature
+    assert medusa["medusa_choices"] == tree and medusa["gather_generation_logits"] is False
+    assert plain["medusa_choices"] is None  # the recorded default: not a Medusa engine

@@ -144,3 +144,41 @@ def test_bench_prompts_errors(chat_engines, tiny_config, tmp_path, capsys):
                  *CHAT_QUICK]) == 2
     err = capsys.readouterr().err
     assert f"--prompts: {prompts} line 1: messages: the tokenizer in " in err and "has no chat template" in err
+
+
+def test_bench_and_profile_measure_medusa_beside_target_and_ngram(tiny_pair, tmp_path, capsys):
+    """A medusa config: bench has a medusa row (K = the tree's depth, acceptance per depth, the chain model's bounds
+    left out), profile times each tree against target-only and can recommend one."""
+    from pipeline.medusa_heads import MedusaHeads
+
+    target, _, _ = load_tiny_models(tiny_pair)
+    MedusaHeads.from_target(target, 2, 1).save(tmp_path / "heads")
+    data = tiny_config_dict(tiny_pair, name="medusa-bench", speculative={
+        "method": "medusa", "medusa": {"model": str(tmp_path / "heads"), "heads": 2, "layers": 1,
+                                       "choices": [[0], [1], [0, 0]]}})
+    data.pop("draft")
+    config = write_config(tmp_path, data)
+    engines = tmp_path / "engines"
+    assert main(["build", str(config), "--engines-dir", str(engines)]) == 0
+    out = tmp_path / "bench"
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--out", str(out), "--k-max", "2",
+                 "--skip-hf", "--max-new-tokens", "12", "--num-prompts", "2", "--repeats", "1"]) == 0
+    _, records = _results(out)
+    by_method = {r["method"]: r for r in records}
+    assert {"target", "ngram", "medusa"} <= by_method.keys()
+    medusa = by_method["medusa"]
+    assert medusa["k"] == 2 and medusa["bound_speedup"] is None and medusa["speedup_vs_target"] > 0
+    assert len(medusa["acceptance_by_position"]) <= 2 and medusa["mean_accepted_len"] >= 1
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nimport os\n")
+    capsys.readouterr()
+    assert main(["profile", str(config), "--prompts", str(prompts), "--max-new-tokens", "10", "--k-max", "2",
+                 "--tree", "[[0], [0, 0]]", "--tree", "[[0], [1], [2]]", "--json"]) == 0
+    printed = capsys.readouterr().out
+    profiles = json.loads(printed[printed.index("\n["):])
+    medusa_rows = [p for p in profiles if p["method"] == "medusa"]
+    assert [p["choices"] for p in medusa_rows] == [[[0], [0, 0]], [[0], [1], [2]]]
+    assert all(p["status"] == "ok" and p["best_speedup"] > 0 and p["tokens_per_step"] >= 1 for p in medusa_rows)
+    assert "acceptance by tree depth" in printed and "recommend:" in printed
+    assert main(["profile", str(config), "--prompts", str(prompts), "--tree", "[[0], [-1]]"]) == 2
+    assert "--tree: '[[0], [-1]]' is not a named tree" in capsys.readouterr().err

@@ -62,6 +62,43 @@ def test_train_draft_kind_medusa_writes_the_heads(tiny_pair, tmp_path, capsys):
     assert len(report["history"]["evals"][-1]["by_head"]) == 3 and (out / "training.png").is_file()
     heads = MedusaHeads.load(out)
     assert heads.num_heads == 3 and (out / "manifest.json").is_file()
-    assert main(["train-draft", str(config), "--kind", "medusa", "--vocab", "10"]) == 2
-    assert "--vocab: applies to --kind model only" in capsys.readouterr().err
+    assert main(["train-draft", str(config), "--kind", "medusa", "--layers", "2"]) == 2
+    assert "--layers: applies to --kind model only" in capsys.readouterr().err
 
+
+def test_a_medusa_config_trains_builds_and_runs(tiny_pair, tmp_path, capsys):
+    """The documented flow: train-draft --kind medusa on a medusa config (heads, layers and folder from the
+    config; --vocab), build (the heads travel with the target's engine), then the engines decode with Medusa,
+    token for token the target's greedy output."""
+    from pipeline.executor import SpeculativeExecutor
+    from pipeline.medusa_heads import VOCAB_KEY
+
+    data = tiny_config_dict(tiny_pair, name="medusa-flow", speculative={
+        "method": "medusa", "medusa": {"model": str(tmp_path / "heads"), "heads": 2, "layers": 1,
+                                       "choices": [[0], [1], [0, 0], [1, 0]]}})
+    data.pop("draft")
+    config = write_config(tmp_path, data)
+    engines = tmp_path / "engines"
+    assert main(["train-draft", str(config), "--engines-dir", str(engines), "--kind", "medusa", "--vocab", "40",
+                 "--tokens", "1500", "--new-tokens", "16", "--num-prompts", "16"]) == 0
+    saved = json.loads((tmp_path / "heads" / "config.json").read_text())
+    assert (saved["medusa_num_heads"], len(saved[VOCAB_KEY])) == (2, 40)
+    assert main(["build", str(config), "--engines-dir", str(engines)]) == 0
+    capsys.readouterr()
+    assert (engines / "medusa-flow" / "target" / "build" / "medusa" / "medusa_lm_head.safetensors").is_file()
+    assert not (engines / "medusa-flow" / "draft").exists()
+    executor = SpeculativeExecutor.from_engines(engines / "medusa-flow")
+    assert executor.method == "medusa" and executor.max_draft_len == 2
+    prompts = ["def f(x):\n    return", "import os\n"]
+    plain = executor.generate(prompts, 24, max_draft_len=0)
+    medusa = executor.generate(prompts, 24)
+    assert [r.token_ids for r in medusa] == [r.token_ids for r in plain]
+    assert sum(r.stats.draft_tokens for r in medusa) > 0
+    heads = executor.engine.proposers["medusa"].heads
+    proposed = heads.top_tokens(torch.zeros(1, heads.hidden_size), [3, 3])
+    assert all(set(ids[0].tolist()) <= set(saved[VOCAB_KEY]) for ids in proposed)  # only the trained tokens
+    # The tree is part of the engine: editing it rebuilds the target; the heads are kept in the build folder.
+    data["speculative"]["medusa"]["choices"] = [[0], [0, 0]]
+    config = write_config(tmp_path, data)
+    assert main(["build", str(config), "--engines-dir", str(engines)]) == 0
+    assert "build    target  built" in capsys.readouterr().out

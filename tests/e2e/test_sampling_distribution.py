@@ -16,6 +16,8 @@ and shows these tests fail on it.
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -45,7 +47,7 @@ def perturbed(model: LlamaForCausalLM, seed: int, noise: float, sharpen: float) 
     """A draft that agrees with the target often but not always, and is over-confident (``sharpen`` > 1): its
     favourite tokens then get draft/target ratios below 1, so rejections at several positions of one step are
     common and bugs in how positions are judged together show."""
-    draft = LlamaForCausalLM(model.config).eval()
+    draft = LlamaForCausalLM(copy.deepcopy(model.config)).eval()  # its own config: a test may mark the draft's
     draft.load_state_dict(model.state_dict())
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -219,3 +221,76 @@ def test_self_draft_accepts_every_token(target, sampling):
     # Float differences between the draft's one-token and the target's K+1-token forwards may reject a token
     # with probability ~1e-6; the sampling transforms applied to one side only reject most of them.
     assert accepted >= drafted - 1, (accepted, drafted)
+
+
+# ---- Medusa: candidate trees verified in one pass ------------------------------------------------------------------
+
+MEDUSA_TREE = [[0], [1], [2], [0, 0], [1, 0], [0, 1], [2, 0]]
+
+
+def medusa_heads():
+    from pipeline.medusa_heads import MedusaHeads
+
+    torch.manual_seed(4)
+    heads = MedusaHeads(2, 1, 16, VOCAB).eval()
+    with torch.no_grad():
+        for head in heads:
+            head[0].linear.weight.normal_(0, 0.5)
+    return heads
+
+
+@torch.no_grad()
+def tree_keep_probabilities(target, heads, prompt, joint) -> tuple[float, float]:
+    """P(the tree step keeps a depth-1 node) and P(it keeps a depth-2 node), exactly.
+
+    A Medusa request's first step is plain; its second verifies the tree whose candidates the heads read off the
+    hidden state at the prompt's last token, so they are the same whatever x1 is. The walk keeps a child exactly
+    when the emitted token equals the child's token (a rejected candidate leaves the residual), so the kept depth
+    follows from (x1, x2, x3)."""
+    from pipeline.speculative.tree import TokenTree, candidate_tokens
+
+    tree = TokenTree.from_choices(MEDUSA_TREE)
+    hidden = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states[-1][:, -1]  # [1, d]
+    tokens = candidate_tokens(tree, torch.tensor([0]), heads.top_tokens(hidden, tree.top_k()))[0].tolist()
+    depth1 = {tokens[n]: n for n in tree.children[0]}
+    keep1 = keep2 = 0.0
+    for x1, x2, x3 in np.ndindex(VOCAB, VOCAB, VOCAB):
+        p = float(joint[x1, x2, x3])
+        if x2 in depth1:
+            keep1 += p
+            keep2 += p * any(tokens[c] == x3 for c in tree.children[depth1[x2]])
+    return keep1, keep2
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.9, top_k=0, top_p=1.0),
+                                      dict(temperature=1.4, top_k=5, top_p=0.85)])
+def test_medusa_trees_keep_the_targets_joint(target, sampling):
+    """Medusa rows sample losslessly over the tree: the first three tokens follow the target's joint (tokens 2 and
+    3 come from the tree step), and how often the tree step keeps a node at depth 1 and 2 is what the walk over
+    siblings gives."""
+    heads = medusa_heads()
+    ex = SpeculativeExecutor(target, None, tokenizer=None, method="medusa", medusa=heads,
+                             medusa_choices=MEDUSA_TREE, max_batch_size=64)
+    for row, prompt in enumerate(PROMPTS):
+        counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+        kept = np.zeros(2)
+        requests = [ex.new_request(prompt, 4, seed=row * SAMPLES + i, **sampling) for i in range(SAMPLES)]
+        steps = {}
+        for request, event in ex._run(requests):  # each step's event: the tree step's tokens show what it kept
+            steps.setdefault(request.id, []).append(len(event.token_ids))
+        for request in requests:
+            x1, x2, x3 = request.generated[:3]
+            counts[x1, x2, x3] += 1
+            plain, tree_step = steps[request.id][:2]
+            assert plain == 1  # the first step is plain: no hidden state yet
+            kept[:tree_step - 1] += 1  # a step that keeps the node at depth d emits d + 1 tokens
+        exact = joint_of(exact_conditionals(target, prompt, **sampling))
+        for level, (got, want) in enumerate([(counts.sum((1, 2)), exact.sum((1, 2))), (counts.sum(2), exact.sum(2)),
+                                            (counts, exact)], 1):
+            tv, bound = total_variation(got / SAMPLES, want), tv_bound(want, SAMPLES)
+            assert tv < bound, f"medusa, prompt {prompt}: tokens 1..{level} are {tv:.3f} from the target (>{bound:.3f})"
+        for depth, want in enumerate(tree_keep_probabilities(target, heads, prompt, exact)):
+            got = kept[depth] / SAMPLES
+            bound = SIGMAS * (want * (1 - want) / SAMPLES) ** 0.5 + 1e-9
+            assert 0 < want < 1 and abs(got - want) < bound, \
+                f"medusa, prompt {prompt}: depth {depth + 1} kept in {got:.3f} of requests, the walk gives {want:.3f}"

@@ -167,3 +167,55 @@ def test_stream_yields_one_event_per_target_step():
     events = list(ex.generate_stream([1, 2, 3], 12))
     assert len(events) == events[-1].stats.target_steps and events[-1].finished
     assert [t for e in events for t in e.token_ids] == reference([1, 2, 3], 12)
+
+
+# ---- a Medusa engine: no draft engine, greedy only ---------------------------------------------------------------
+
+MEDUSA_TREE = [[0], [1], [0, 0], [0, 0, 0]]  # depth 3
+
+
+def make_medusa_executor():
+    target = FakeTrtllmRuntime(target_next)  # a FAKE Medusa engine: decodes the target's greedy tokens
+    ex = TrtllmSpeculativeExecutor(target, None, None, EngineLimits(64, 256, 3), 3, "rejection", [EOS],
+                                   method="medusa", medusa_choices=MEDUSA_TREE)
+    return ex, target
+
+
+def test_medusa_greedy_request_is_one_engine_call():
+    ex, target = make_medusa_executor()
+    (result,) = ex.generate([[1, 2, 3]], 20)
+    assert result.token_ids == reference([1, 2, 3], 20) and result.finish_reason == "length"
+    # The engine drafts and verifies its tree itself: no external draft tokens, the whole request in one call.
+    assert target.calls == [{"prompt_len": 3, "max_new_tokens": 20, "draft_tokens": None, "want_logits": False}]
+    (top1,) = ex.generate([[1, 2, 3]], 5, temperature=0.7, top_k=1, seed=3)  # top-1 sampling is greedy
+    assert top1.token_ids == reference([1, 2, 3], 5)
+
+
+def test_medusa_refuses_sampled_requests_and_draft_settings():
+    ex, target = make_medusa_executor()
+    for kwargs in ({"temperature": 0.8}, {"temperature": 1.0, "top_k": 50, "top_p": 0.9}):
+        with pytest.raises(RequestError, match="TensorRT-LLM 1.1.0's Medusa verifies greedily only") as err:
+            ex.generate([[1]], 4, **kwargs)
+        assert "torch backend" in str(err.value) and "temperature 0" in str(err.value)
+    with pytest.raises(RequestError, match="method: 'ngram' needs external draft tokens"):
+        ex.generate([[1]], 4, method="ngram")
+    with pytest.raises(RequestError, match="method: 'draft_model' needs a draft model"):
+        ex.generate([[1]], 4, method="draft_model")
+    for k in (0, 1, "auto"):  # the tree is fixed when the engine is opened
+        with pytest.raises(RequestError, match="max_draft_len: .*verifies its whole tree \\(depth 3"):
+            ex.generate([[1]], 4, max_draft_len=k)
+    assert target.calls == []  # refused before the engine is asked for anything
+    (same,) = ex.generate([[1]], 4, max_draft_len=3, method="medusa")
+    assert same.token_ids == reference([1], 4)
+
+
+def test_medusa_and_external_draft_engines_do_not_mix():
+    target = FakeTrtllmRuntime(target_next)
+    with pytest.raises(ValueError, match="built for Medusa"):
+        TrtllmSpeculativeExecutor(target, None, None, EngineLimits(64, 256, 3), 3, method="ngram",
+                                  medusa_choices=MEDUSA_TREE)
+    with pytest.raises(ValueError, match="needs Medusa heads"):
+        TrtllmSpeculativeExecutor(target, None, None, EngineLimits(64, 256, 3), 3, method="medusa")
+    ex, *_ = make_executor(k=4)
+    with pytest.raises(RequestError, match="needs Medusa heads"):
+        ex.generate([[1]], 4, method="medusa")

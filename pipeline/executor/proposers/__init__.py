@@ -12,6 +12,7 @@ from collections.abc import Callable
 from ...methods import Method
 from .base import Proposer, ProposerContext
 from .draft_model import DraftModelProposer
+from .medusa import MedusaProposer
 from .ngram import NgramProposer
 from .ngram_or_draft import CostRatio, NgramOrDraftProposer, prefer_lookup
 
@@ -30,11 +31,16 @@ def _ngram_or_draft(context: ProposerContext, built: dict) -> Proposer | None:
     return NgramOrDraftProposer(built[Method.NGRAM], built[Method.DRAFT_MODEL], context.cost_ratio)
 
 
+def _medusa(context: ProposerContext, built: dict) -> Proposer | None:
+    return MedusaProposer(context) if context.medusa is not None else None
+
+
 # In dependency order: a factory sees the proposers registered above it.
 REGISTRY: dict[Method, Callable[[ProposerContext, dict], Proposer | None]] = {
     Method.DRAFT_MODEL: _draft_model,
     Method.NGRAM: _ngram,
     Method.NGRAM_DRAFT: _ngram_or_draft,
+    Method.MEDUSA: _medusa,
 }
 
 

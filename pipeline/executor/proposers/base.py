@@ -6,7 +6,7 @@ The engine asks each row's proposer (the one its request's method names) three t
           plain step;
   propose draft for all the rows routed to it at once (one batched forward for a model), writing each row's tokens
           and, for sampled rows, their distributions into the StepBatch.
-The verifier never learns who drafted: it sees draft tokens and distributions only.
+The verifier never learns who drafted: it sees draft tokens and distributions, or a tree of candidates (Medusa).
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ class ProposerContext:
     ngram: NgramSettings
     cost_ratio: Callable[[], float]
     record_draft: Callable[[int, float], None]
+    medusa: tuple | None = None  # (MedusaHeads, TokenTree) when the engine serves method medusa
 
 
 class Proposer(ABC):
     method: Method  # what the statistics record for the tokens it drafts
     uses_model: bool = False  # it runs draft forwards (the K policy adds their cost)
+    wants_hidden: bool = False  # it drafts from the target's final hidden state: see verified()
 
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
         """The most tokens this proposer would draft for ``row`` with a budget of ``k``."""
@@ -50,3 +52,7 @@ class Proposer(ABC):
     @abstractmethod
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
         """Draft up to batch.k[row] tokens for each of ``rows`` and :meth:`StepBatch.put` them."""
+
+    def verified(self, requests: list, hidden) -> None:
+        """With ``wants_hidden``: after each verify, the requests of this method in the batch and the target's final
+        hidden states [len(requests), d] at the last position each one accepted."""

@@ -15,7 +15,9 @@ parameter ``role`` says which part this instance plays:
 Other config.pbtxt parameters: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``,
 ``config_name``, ``device``, ``adaptive_draft_len``, ``method``, ``ngram_min_match``, ``ngram_max_match`` (the
 config's drafting method and lookup settings; without them the engines' recorded ones) and ``engine_model``. Both export the counters ``spec_*_total`` on Triton's metrics
-port (the engine model counts all the work it did, proxied requests included; the proxy the requests it answered);
+port, and ``spec_drafted_at_position_total`` / ``spec_accepted_at_position_total`` per draft position (label
+``position``; for Medusa the tree depth) (the engine model counts all the work it did, proxied requests included; the
+proxy the requests it answered);
 the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``.
 """
 
@@ -34,6 +36,11 @@ COUNTERS = [
     ("spec_accepted_tokens_total", "Draft tokens accepted by the target", "accepted_tokens"),
     ("spec_target_steps_total", "Target forward passes (verification steps)", "target_steps"),
     ("spec_generated_tokens_total", "Tokens returned to clients", "generated_tokens"),
+]
+POSITION_COUNTERS = [
+    ("spec_drafted_at_position_total", "Steps that drafted a token at this position (Medusa: tree depth)", "drafted_at"),
+    ("spec_accepted_at_position_total", "Steps whose token at this position (Medusa: tree depth) the target kept",
+     "accepted_at"),
 ]
 KEY_INPUT = "request_key"  # set by the proxy on the requests it forwards
 CANCEL_INPUT = "cancel_request"  # a request holding only this cancels the engine request with that key
@@ -57,6 +64,11 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.counters = {field: self._counter(name, description, self.labels)
                          for name, description, field in COUNTERS}
+        # Per draft position (a Medusa tree's depth): how often a step drafted there and how often the target kept
+        # it; one metric per position label, made when the position first occurs.
+        self.position_families = {field: self._family(name, description, pb_utils.MetricFamily.COUNTER)
+                                  for name, description, field in POSITION_COUNTERS}
+        self.position_metrics = {}
         if self.role == "proxy":
             self.engine_model = params["engine_model"]
             return
@@ -211,10 +223,13 @@ class TritonPythonModel:
 
     # ---- helpers ---------------------------------------------------------------------------------------------------
 
-    def _counter(self, name, description, labels):
-        family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.COUNTER)
+    def _family(self, name, description, kind):
+        family = pb_utils.MetricFamily(name=name, description=description, kind=kind)
         self.families.append(family)
-        return family.Metric(labels=labels)
+        return family
+
+    def _counter(self, name, description, labels):
+        return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
 
     def _gauge(self, name, description):
         family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
@@ -227,6 +242,13 @@ class TritonPythonModel:
             value = getattr(stats, field)
             if value:
                 metric.increment(value)
+        for field, family in self.position_families.items():
+            for position, value in enumerate(getattr(stats, field), 1):
+                key = (field, position)
+                if key not in self.position_metrics:
+                    self.position_metrics[key] = family.Metric(labels={**self.labels, "position": str(position)})
+                if value:
+                    self.position_metrics[key].increment(value)
 
     def _count_error(self, response):
         self.failed_requests.increment(1)
