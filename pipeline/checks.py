@@ -191,9 +191,9 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
                                      f"are broken, re-download or re-convert the model")
         _check_architecture(models[role], hf_configs[role], config.backend, report)
 
-    if config.speculative.method.needs_medusa_heads:
+    if config.speculative.medusa is not None:
         _check_medusa(config, hf_configs["target"], report)
-    elif "draft" not in models:
+    if "draft" not in models and not config.speculative.method.needs_medusa_heads:
         report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
     tokenizers = {role: load_tokenizer(models[role]) for role in models} if "draft" in models else {}
     tokenizer_problems = compare_tokenizers(tokenizers["target"], tokenizers["draft"]) if tokenizers else []
@@ -257,6 +257,12 @@ def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport)
     """The heads folder fits the target and the configured counts; what each backend does with the tree."""
     from .medusa_heads import heads_problems
 
+    method = config.speculative.method
+    if not config.has_medusa_heads:
+        report.warnings.append(f"speculative.medusa: set, but speculative.method is {method.value!r} on backend "
+                               f"trtllm, whose engines verify one kind of draft: the heads are not built in; set "
+                               f"method: medusa to use them")
+        return
     medusa = config.speculative.medusa
     text = target_cfg.get("text_config") or target_cfg
     problems = heads_problems(config.medusa_dir(), medusa.heads, medusa.layers, text.get("hidden_size"),
@@ -264,9 +270,11 @@ def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport)
     report.errors.extend(problems)
     tree = medusa.tree()
     name = medusa.choices if isinstance(medusa.choices, str) else "from the config"
+    role = "speculative.method: medusa" if method.needs_medusa_heads else \
+        f"speculative.medusa: heads built in beside method {method.value!r} (requests may pick method medusa)"
     if not problems:
-        report.ok.append(f"speculative.method: medusa ({medusa.heads} heads of {medusa.layers} layer(s); tree "
-                         f"{name}: {tree.size - 1} nodes, depth {tree.max_depth}, top-k per depth {tree.top_k()})")
+        report.ok.append(f"{role} ({medusa.heads} heads of {medusa.layers} layer(s); tree {name}: {tree.size - 1} "
+                         f"nodes, depth {tree.max_depth}, top-k per depth {tree.top_k()})")
     if config.backend == "trtllm":
         report.warnings.append("speculative.method: medusa on trtllm verifies greedily only (TensorRT-LLM 1.1.0 "
                                "Medusa); sampled requests are refused there, the torch backend samples losslessly")

@@ -8,6 +8,7 @@ field, the bad value and the fix.
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -270,10 +271,17 @@ class PipelineConfig(_Section):
                              f"model (draft: {{model: ...}}) or set speculative.method: ngram")
         return self
 
+    @property
+    def has_medusa_heads(self) -> bool:
+        """The target's engine carries Medusa heads: method medusa, or on torch any config with a medusa section
+        (its requests may then pick method medusa per request, beside the configured method)."""
+        medusa = self.speculative.medusa is not None
+        return medusa and (self.speculative.method.needs_medusa_heads or self.backend == "torch")
+
     def medusa_dir(self) -> Path:
         """The heads folder of speculative.medusa, resolved against the config's folder."""
         folder = Path(self.speculative.medusa.model).expanduser()
-        return folder if folder.is_absolute() else self.base_dir / folder
+        return Path(os.path.normpath(folder if folder.is_absolute() else self.base_dir / folder))
 
     @property
     def roles(self) -> tuple[str, ...]:

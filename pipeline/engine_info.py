@@ -90,7 +90,7 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         "method": speculative.method.value, "ngram": speculative.ngram.model_dump(),
         # The tree a Medusa engine verifies (TensorRT-LLM's medusa_choices); None for the other methods.
         "medusa_choices": speculative.medusa.paths()
-        if role == "target" and speculative.method.needs_medusa_heads else None,
+        if role == "target" and config.has_medusa_heads else None,
     }
 
 

@@ -36,7 +36,7 @@ def _role_config(config: PipelineConfig, role: str) -> dict:
     # Only what an engine is built for: the proposer (speculative.method, ngram) is chosen at run time, so swapping
     # it is a YAML edit that rebuilds nothing.
     speculative = {key: data["speculative"][key] for key in ("max_draft_len", "acceptance")}
-    if role == "target" and config.speculative.method.needs_medusa_heads:
+    if role == "target" and config.has_medusa_heads:
         # Medusa heads are part of the target's engine (its convert takes them, its build verifies their tree).
         speculative["medusa"] = data["speculative"]["medusa"]
     return {"name": config.name, "backend": config.backend, "model": data[role],
@@ -50,7 +50,7 @@ def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool 
     # A GGUF source is its file: the dequantized folder is derived from it (and cached under its hash).
     files = {model.gguf_file.name: model.gguf_sha256} if model.gguf_file else content_hashes(model.path)
     inputs = {"model_files": files, "revision": model.revision}
-    if role == "target" and config.speculative.method.needs_medusa_heads:
+    if role == "target" and config.has_medusa_heads:
         inputs["medusa_files"] = content_hashes(config.medusa_dir())
     backend = get_backend(config.backend)
     role_cfg = _role_config(config, role)

@@ -135,3 +135,37 @@ def test_nothing_written_outside_engines(tiny_pair, tmp_path):
     assert result.returncode == 0, result.stderr
     assert list(work.iterdir()) == []
     assert snapshot(tiny_pair) == pair_before
+
+
+def test_medusa_heads_beside_a_draft_serve_both_methods_from_one_build(tiny_pair, tmp_path):
+    """On torch a config with a draft and a speculative.medusa section builds both: the heads travel with the
+    target's engine, requests pick draft_model (the configured method) or medusa, and their greedy output is the
+    target's. The heads' files are an input of the target's convert: retrained heads rebuild it."""
+    import torch
+
+    from pipeline.medusa_heads import MedusaHeads
+    from tests.conftest import load_tiny_models
+
+    target, _, _ = load_tiny_models(tiny_pair)
+    torch.manual_seed(0)
+    MedusaHeads.from_target(target, 2, 1).save(tmp_path / "heads")
+    data = tiny_config_dict(tiny_pair, name="both", speculative={
+        "medusa": {"model": str(tmp_path / "heads"), "heads": 2, "layers": 1, "choices": [[0], [1], [0, 0]]}})
+    config = load_config(write_config(tmp_path, data))
+    engines = tmp_path / "engines"
+    run_stages(config, engines, ("convert", "build"))
+    executor = SpeculativeExecutor.from_engines(engines / "both")
+    assert executor.method == "draft_model" and executor.has_draft_model and executor.has_medusa_heads
+    prompt = "def f(x):\n    return"
+    plain = executor.generate([prompt], 20, max_draft_len=0)[0].token_ids
+    for method in ("draft_model", "medusa"):
+        result = executor.generate([prompt], 20, method=method)[0]
+        assert result.token_ids == plain and set(result.stats.by_proposer) <= {method}
+    retrained = MedusaHeads.from_target(target, 2, 1)
+    with torch.no_grad():
+        retrained[0][0].linear.bias.fill_(0.01)
+    retrained.save(tmp_path / "heads")
+    results = run_stages(config, engines, ("convert", "build"))
+    assert {(r.stage, r.role, r.status) for r in results} == {
+        ("convert", "target", "built"), ("build", "target", "built"),
+        ("convert", "draft", "up to date"), ("build", "draft", "up to date")}

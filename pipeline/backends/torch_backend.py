@@ -22,7 +22,7 @@ def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Pa
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(model).save_pretrained(out_dir)
     facts = {"source": model.provenance()}
-    if role == "target" and config.speculative.method.needs_medusa_heads:
+    if role == "target" and config.has_medusa_heads:
         facts["medusa"] = _copy_heads(config.medusa_dir(), out_dir / ENGINE_SUBDIR)
     return facts
 
@@ -41,7 +41,7 @@ def engine_limits(config: PipelineConfig, role: str) -> dict:
 
 def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
     heads = [f"copy the Medusa heads {checkpoint_dir / ENGINE_SUBDIR} to {out_dir / ENGINE_SUBDIR}"] \
-        if role == "target" and config.speculative.method.needs_medusa_heads else []
+        if role == "target" and config.has_medusa_heads else []
     return [f"load {checkpoint_dir} as {getattr(config, role).dtype}", *heads,
             f"write {out_dir}/model.safetensors, tokenizer, {ENGINE_FILE} ({json.dumps(engine_limits(config, role))})"]
 

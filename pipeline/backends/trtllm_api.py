@@ -265,7 +265,7 @@ def medusa_convert_argv(config: PipelineConfig, model_dir: str, model_type: str,
             "--output_dir", str(out_dir)]
 
 
-# ---- availability ------------------------------------------------------------------------------------------------------
+# ---- availability ----------------------------------------------------------------------------------------------------
 
 def import_tensorrt_llm(what: str):
     """Import tensorrt_llm or raise BackendUnavailable naming what is missing and how to get it."""

@@ -31,6 +31,7 @@ from ..methods import Method
 from ..speculative.tree_choices import NAMED_TREES
 from ..speculative.analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
 from .arg_checks import check_range
+from .medusa_profile import MEDUSA_ROUNDS, profile_medusa, tune_tree
 
 
 @dataclass
@@ -125,40 +126,6 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int
                         speedups, best_k, best_speedup, method=Method.NGRAM)
 
 
-MEDUSA_ROUNDS = 2
-
-
-def profile_medusa(target_path: Path, heads: Path, choices, prompts: list[str | list[int]], max_new_tokens: int,
-                   device: str, dtype: str) -> DraftProfile:
-    """Medusa heads with one tree: greedy acceptance per depth, and the speedup timed against target-only."""
-    import time
-
-    from ..executor import SpeculativeExecutor
-    from .runner import fit_prompt
-
-    label = f"medusa:{choices if isinstance(choices, str) else 'custom'}"
-    try:
-        executor = SpeculativeExecutor.from_pretrained(target_path, None, device=device, dtype=dtype,
-                                                       method=Method.MEDUSA, medusa=heads, medusa_choices=choices)
-    except (PipelineError, ValueError, OSError) as exc:
-        return DraftProfile(label, "unavailable", str(exc), method=Method.MEDUSA, choices=choices)
-    ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
-    best = {0: float("inf"), None: float("inf")}  # K 0: target-only; None: the tree's depth
-    results = []
-    for _ in range(MEDUSA_ROUNDS):
-        for k in best:
-            start = time.perf_counter()
-            run = [executor.generate([x], max_new_tokens, temperature=0.0, max_draft_len=k)[0] for x in ids]
-            best[k] = min(best[k], time.perf_counter() - start)
-            if k is None:
-                results = run
-    stats = _total(results)
-    return DraftProfile(label, "ok", "", stats.acceptance_rate, stats.acceptance_by_position, 0.0, [], [],
-                        executor.max_draft_len, best[0] / best[None], method=Method.MEDUSA,
-                        dtype=str(executor.target.dtype).removeprefix("torch."),
-                        tokens_per_step=stats.mean_accepted_len, choices=choices)
-
-
 def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str | list[int]],
                    k_max: int, max_new_tokens: int, device: str, dtype: str,
                    draft_dtype: str | None = None) -> DraftProfile:
@@ -201,8 +168,9 @@ def recommendation(profiles: list[DraftProfile]) -> str:
         return "recommend: nothing to recommend; no candidate draft could be measured (see the reasons above)"
     best = max(usable, key=lambda p: p.best_speedup)
     if best.best_speedup <= 1.0:
+        how = "measured" if best.method == Method.MEDUSA else "expected"
         return (f"recommend: serve the target alone; the best candidate ({best.draft}, K={best.best_k}) is "
-                f"expected at {best.best_speedup:.2f}x, not faster than target-only decoding")
+                f"{how} at {best.best_speedup:.2f}x, not faster than target-only decoding")
     if best.method == Method.MEDUSA:
         return (f"recommend: speculative.method: medusa with speculative.medusa.choices: {best.choices} (measured "
                 f"{best.best_speedup:.2f}x over target-only decoding)")
@@ -316,6 +284,10 @@ def cmd_profile(args) -> int:
     trees = [_tree_arg(t) for t in args.tree] or ([medusa_spec.choices] if medusa_spec is not None
                                                   else list(NAMED_TREES))
     for folder in heads:
+        if not args.tree:  # a tree tuned to these heads, prompts and machine, beside the configured or named ones
+            tuned = tune_tree(target, folder, prompts, args.max_new_tokens, device, config.target.dtype)
+            trees = trees + ([tuned.paths] if tuned.paths else [])
+            print(tuned.describe())
         for tree in tqdm(trees, desc=f"profile {folder.name}", unit="tree"):
             profiles.append(profile_medusa(target, folder, tree, prompts, args.max_new_tokens, device,
                                            config.target.dtype))

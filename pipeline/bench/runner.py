@@ -70,8 +70,10 @@ def build_methods(executor, options: BenchOptions, max_new_tokens: int) -> list[
             methods.append(BenchMethod(proposer.value, k, lambda ids, p=proposer, k=k: stream_sample(
                 executor, ids, max_new_tokens, k, method=p)))
     if getattr(executor, "has_medusa_heads", False):  # heads on the target: its tree's depth is K
-        methods.append(BenchMethod(Method.MEDUSA.value, executor.max_draft_len, lambda ids: stream_sample(
-            executor, ids, max_new_tokens, None, method=Method.MEDUSA)))
+        depth = executor.engine.proposers[Method.MEDUSA].tree.max_depth if hasattr(executor, "engine") \
+            else executor.max_draft_len
+        methods.append(BenchMethod(Method.MEDUSA.value, depth, lambda ids: stream_sample(
+            executor, ids, max_new_tokens, depth, method=Method.MEDUSA)))
     if hasattr(executor, "engine"):
         methods.append(BenchMethod("adaptive", "policy", adaptive_runner(executor, max_new_tokens)))
     if not options.skip_hf:

@@ -109,7 +109,8 @@ class BatchingEngine:
             own = [request.draft_len() for request in rows]
             limits = [proposer.limit(batch, row, own[row]) if own[row] else 0
                       for row, proposer in enumerate(proposers)]
-            cap = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers])
+            cap = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers],
+                                   [p.verify_width for p in proposers])
         batch.k = [request.draft_len(cap) for request in rows]
         routed: dict[Proposer, list[int]] = {}
         for row, proposer in enumerate(proposers):
@@ -193,7 +194,8 @@ class BatchingEngine:
 
     def _accept_greedy(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int]]:
         """All greedy rows through one accept_matching call; drafts padded with -1, which never matches."""
-        chosen = [row for row, request in enumerate(batch.requests) if request.params.greedy and batch.trees[row] is None]
+        chosen = [row for row, request in enumerate(batch.requests)
+                  if request.params.greedy and batch.trees[row] is None]
         if not chosen:
             return {}
         argmax = logits.argmax(-1).cpu()  # [rows, width]; one small transfer instead of the logits
@@ -247,7 +249,8 @@ class BatchingEngine:
                 runner.clear(slot)
 
 
-def _per_row(chosen: list[int], output: torch.Tensor, num_accepted: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
+def _per_row(chosen: list[int], output: torch.Tensor,
+             num_accepted: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
     """row -> (emitted tokens, accepted draft tokens, no tree path) from an accept rule's [n, K+1] output."""
     output, num_accepted = output.tolist(), num_accepted.tolist()
     return {row: (output[i][:num_accepted[i] + 1], num_accepted[i], []) for i, row in enumerate(chosen)}

@@ -187,7 +187,8 @@ class DraftPolicy:
         for row in [r for r in self._rows if r not in rows]:
             del self._rows[row]
 
-    def plan(self, rows: Sequence[int], row_limits: Sequence[int], uses_model: Sequence[bool] | None = None) -> int:
+    def plan(self, rows: Sequence[int], row_limits: Sequence[int], uses_model: Sequence[bool] | None = None,
+             widths: Sequence | None = None) -> int:
         """The K cap for one engine step over requests ``rows`` (their ids), each able to propose at most
         ``row_limits[r]`` tokens: ``choose`` with each row's rate, a row due for a probe planned at PROBE_RATE or
         more; 0 on every PLAIN_EVERY-th step."""
@@ -203,14 +204,15 @@ class DraftPolicy:
             state.probing = state.idle >= state.patience
             rate = self.row_rate(row)
             rates.append(max(rate, PROBE_RATE) if state.probing else rate)
-        return self.choose(rates, row_limits, uses_model)
+        return self.choose(rates, row_limits, uses_model, widths)
 
     def choose(self, row_rates: Sequence[float], row_limits: Sequence[int],
-               uses_model: Sequence[bool] | None = None) -> int:
+               uses_model: Sequence[bool] | None = None, widths: Sequence | None = None) -> int:
         """The K cap maximising expected tokens per second for rows with these acceptance estimates and K limits.
 
         ``uses_model[r]``: row r drafts with the draft model (K draft forwards); False for n-gram lookup rows,
-        whose proposals cost nothing but the wider verify (default: every row uses the model). Lookup rows keep
+        whose proposals cost nothing but the wider verify (default: every row uses the model). ``widths[r]``: for a
+        row that verifies a tree, tokens verified at a given K (default K + 1). Lookup rows keep
         the i.i.d. sum although lookups tend to be right or wrong as a run: counting them as 1 + a*K tokens made
         bench-serve on the code pair draft at 16-32 clients and fall to 0.87x target-only (0.93-1.02x with the
         sum), so the sum's caution is the better trade where serving must never be slower."""
@@ -224,8 +226,10 @@ class DraftPolicy:
             tokens = sum(expected_tokens_per_step(a, kr) for a, kr in zip(row_rates, ks))
             drafting = sum(1 for kr, model in zip(ks, uses_model) if kr > 0 and model)
             draft_seconds = k * self.draft(drafting) if drafting else 0.0
-            # The verify pads every row to the widest one: rows x (widest K + 1) tokens, whatever the others draft.
-            seconds = draft_seconds + self.target(rows * (max(ks) + 1))
+            # The verify pads every row to the widest one: rows x (widest K + 1) tokens, whatever the others draft;
+            # a tree row (Medusa) verifies its tree cut to depth K, widths[r](K) tokens.
+            widest = max(kr + 1 if widths is None or widths[r] is None else widths[r](kr) for r, kr in enumerate(ks))
+            seconds = draft_seconds + self.target(rows * widest)
             if tokens / seconds > best:
                 best_k, best = k, tokens / seconds
         return best_k

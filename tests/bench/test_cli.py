@@ -13,6 +13,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.speculative.analytic import speedup_bound
+from pipeline.speculative.tree import TokenTree
 from tests.conftest import load_tiny_models, tiny_config_dict, write_config
 
 FIELDS = {"method", "k", "tokens_per_s", "speedup_vs_target", "acceptance_rate", "mean_accepted_len",
@@ -180,5 +181,15 @@ def test_bench_and_profile_measure_medusa_beside_target_and_ngram(tiny_pair, tmp
     assert [p["choices"] for p in medusa_rows] == [[[0], [0, 0]], [[0], [1], [2]]]
     assert all(p["status"] == "ok" and p["best_speedup"] > 0 and p["tokens_per_step"] >= 1 for p in medusa_rows)
     assert "acceptance by tree depth" in printed and "recommend:" in printed
+    # Without --tree: the configured tree and one tuned to these heads, prompts and this machine, both timed.
+    assert main(["profile", str(config), "--prompts", str(prompts), "--max-new-tokens", "10", "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "medusa tree" in printed
+    profiles = [p for p in json.loads(printed[printed.index("\n["):]) if p["method"] == "medusa"]
+    assert profiles[0]["choices"] == [[0], [1], [0, 0]]
+    if "tuned to these prompts" in printed:  # random heads may earn no tree at all; then it says so instead
+        assert len(profiles) == 2 and TokenTree.from_choices(profiles[1]["choices"]).max_depth <= 2
+    else:
+        assert "none pays here" in printed
     assert main(["profile", str(config), "--prompts", str(prompts), "--tree", "[[0], [-1]]"]) == 2
     assert "--tree: '[[0], [-1]]' is not a named tree" in capsys.readouterr().err

@@ -245,3 +245,13 @@ def test_draft_policy_stops_drafting_when_it_does_not_pay():
     for tokens, seconds in ((8, 0.008), (16, 0.0085), (72, 0.072)):  # cheap to 16 tokens, compute-bound to 72
         padded.target.record(tokens, seconds)
     assert padded.choose([0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) == 0
+
+
+def test_a_tree_row_is_priced_at_its_trees_width():
+    """A Medusa row verifies its tree cut to depth K, not K + 1 tokens: a wide tree makes drafting cost more, and
+    the policy drafts less (or not at all) where a chain of the same depth would pay."""
+    policy = calibrated(memory_bound)
+    chain = policy.choose([0.5], [4], [False])
+    tree = policy.choose([0.5], [4], [False], [lambda k: {0: 1, 1: 11, 2: 21, 3: 41, 4: 64}[k]])
+    assert chain >= 2 and tree < chain
+    assert policy.choose([0.5], [4], [False], [lambda k: k + 1]) == chain  # a chain-shaped tree: the same K

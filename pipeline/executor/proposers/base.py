@@ -41,6 +41,8 @@ class Proposer(ABC):
     uses_model: bool = False  # it runs draft forwards (the K policy adds their cost)
     wants_hidden: bool = False  # it drafts from the target's final hidden state: see verified()
 
+    verify_width = None  # a tree proposer: callable K -> tokens its verify takes at K (None: K + 1, a chain)
+
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
         """The most tokens this proposer would draft for ``row`` with a budget of ``k``."""
         return k

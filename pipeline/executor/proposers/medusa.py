@@ -34,6 +34,10 @@ class MedusaProposer(Proposer):
             self._trees[depth] = TokenTree.from_choices([list(p) for p in self.tree.paths[1:] if len(p) <= depth])
         return self._trees[depth]
 
+    def verify_width(self, k: int) -> int:
+        """Tokens a step verifies with the tree cut to depth k: the root and the nodes (the K policy prices it)."""
+        return self.tree_for(k).size if k > 0 else 1
+
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
         return min(k, self.tree.max_depth) if batch.requests[row].id in self._hidden else 0
 

@@ -38,7 +38,8 @@ COUNTERS = [
     ("spec_generated_tokens_total", "Tokens returned to clients", "generated_tokens"),
 ]
 POSITION_COUNTERS = [
-    ("spec_drafted_at_position_total", "Steps that drafted a token at this position (Medusa: tree depth)", "drafted_at"),
+    ("spec_drafted_at_position_total", "Steps that drafted a token at this position (Medusa: tree depth)",
+     "drafted_at"),
     ("spec_accepted_at_position_total", "Steps whose token at this position (Medusa: tree depth) the target kept",
      "accepted_at"),
 ]
