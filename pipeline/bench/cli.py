@@ -47,7 +47,7 @@ def add_bench_parsers(sub, common) -> None:
                    help="candidate draft (folder or hub id); repeatable; default: the config's draft")
     p.add_argument("--medusa", action="append", default=[], metavar="HEADS",
                    help="candidate Medusa heads folder (train-draft --kind medusa); repeatable; default: the config's "
-                        "speculative.medusa.model when its method is medusa")
+                        "speculative.medusa.model when it has one")
     p.add_argument("--tree", action="append", default=[], metavar="CHOICES",
                    help="Medusa tree to try with each heads folder: a named tree or a JSON list of paths; "
                         "repeatable (default: the config's choices, else every named tree)")

@@ -1,9 +1,8 @@
-"""Medusa in `profile`: time a tree against target-only decoding, and tune a tree to the heads, prompts and machine.
+"""Medusa in `profile`: a tree tuned to the heads, prompts and machine (profile.py then times it).
 
-A tree step's cost is not a chain's K c + v_K, so a tree is measured, not modelled: target-only and Medusa decode
-the same prompts at batch 1, interleaved over MEDUSA_ROUNDS rounds, each keeping its best time. The tuned tree
-(pipeline/speculative/tree_search.py) comes from two measurements: the rank each head gives the target's true token
-along the target's own greedy text, and the cost of a verify of n tokens and of the heads relative to a plain step.
+The tuned tree (pipeline/speculative/tree_search.py) comes from two measurements: the rank each head gives the
+target's true token along the target's own greedy text, and the cost of a verify of n tokens and of the heads
+relative to a plain step.
 """
 
 from __future__ import annotations
@@ -14,46 +13,14 @@ from pathlib import Path
 
 import torch
 
-from ..errors import PipelineError
 from ..methods import Method
 from ..speculative.tree_search import best_tree, rank_hits
 
-MEDUSA_ROUNDS = 2
 MAX_RANK = 10  # candidates per depth considered (mc_sim_7b_63 uses at most 10)
 MAX_NODES = 63  # TensorRT-LLM's --max_medusa_token_len default
 # Verify widths timed; the others are interpolated (every width up to 64 would take minutes on a CPU).
 TIMED_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 COST_REPEATS = 5
-
-
-def profile_medusa(target_path: Path, heads: Path, choices, prompts: list, max_new_tokens: int, device: str,
-                   dtype: str):
-    """Medusa heads with one tree: greedy acceptance per depth, and the speedup timed against target-only."""
-    from ..executor import SpeculativeExecutor
-    from .profile import DraftProfile, _total
-    from .runner import fit_prompt
-
-    label = f"medusa:{choices if isinstance(choices, str) else f'{len(choices)} nodes'}"
-    try:
-        executor = SpeculativeExecutor.from_pretrained(target_path, None, device=device, dtype=dtype,
-                                                       method=Method.MEDUSA, medusa=heads, medusa_choices=choices)
-    except (PipelineError, ValueError, OSError) as exc:
-        return DraftProfile(label, "unavailable", str(exc), method=Method.MEDUSA, choices=choices)
-    ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
-    best = {0: float("inf"), None: float("inf")}  # K 0: target-only; None: the tree's depth
-    results = []
-    for _ in range(MEDUSA_ROUNDS):
-        for k in best:
-            start = time.perf_counter()
-            run = [executor.generate([x], max_new_tokens, temperature=0.0, max_draft_len=k)[0] for x in ids]
-            best[k] = min(best[k], time.perf_counter() - start)
-            if k is None:
-                results = run
-    stats = _total(results)
-    return DraftProfile(label, "ok", "", stats.acceptance_rate, stats.acceptance_by_position, 0.0, [], [],
-                        executor.max_draft_len, best[0] / best[None], method=Method.MEDUSA,
-                        dtype=str(executor.target.dtype).removeprefix("torch."),
-                        tokens_per_step=stats.mean_accepted_len, choices=choices)
 
 
 @dataclass

@@ -23,6 +23,7 @@ The recommendation names the method (speculative.method) as well as the draft an
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -31,7 +32,7 @@ from ..methods import Method
 from ..speculative.tree_choices import NAMED_TREES
 from ..speculative.analytic import best_k_from_survival, expected_tokens_from_survival, speedups_from_survival
 from .arg_checks import check_range
-from .medusa_profile import MEDUSA_ROUNDS, profile_medusa, tune_tree
+from .medusa_profile import tune_tree
 
 
 @dataclass
@@ -124,6 +125,38 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], k_max: int
     best_k, best_speedup = best_k_from_survival(survival, 0.0, costs.verify_cost_ratio)
     return DraftProfile("ngram", "ok", "", stats.acceptance_rate, survival, 0.0, costs.verify_cost_ratio,
                         speedups, best_k, best_speedup, method=Method.NGRAM)
+
+
+MEDUSA_ROUNDS = 2
+
+
+def profile_medusa(target_path: Path, heads: Path, choices, prompts: list, max_new_tokens: int, device: str,
+                   dtype: str) -> DraftProfile:
+    """Medusa heads with one tree: greedy acceptance per depth, and the speedup timed against target-only."""
+    from ..executor import SpeculativeExecutor
+    from .runner import fit_prompt
+
+    label = f"medusa:{choices if isinstance(choices, str) else f'{len(choices)} nodes'}"
+    try:
+        executor = SpeculativeExecutor.from_pretrained(target_path, None, device=device, dtype=dtype,
+                                                       method=Method.MEDUSA, medusa=heads, medusa_choices=choices)
+    except (PipelineError, ValueError, OSError) as exc:
+        return DraftProfile(label, "unavailable", str(exc), method=Method.MEDUSA, choices=choices)
+    ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
+    best = {0: float("inf"), None: float("inf")}  # K 0: target-only; None: the tree's depth
+    results = []
+    for _ in range(MEDUSA_ROUNDS):
+        for k in best:
+            start = time.perf_counter()
+            run = [executor.generate([x], max_new_tokens, temperature=0.0, max_draft_len=k)[0] for x in ids]
+            best[k] = min(best[k], time.perf_counter() - start)
+            if k is None:
+                results = run
+    stats = _total(results)
+    return DraftProfile(label, "ok", "", stats.acceptance_rate, stats.acceptance_by_position, 0.0, [], [],
+                        executor.max_draft_len, best[0] / best[None], method=Method.MEDUSA,
+                        dtype=str(executor.target.dtype).removeprefix("torch."),
+                        tokens_per_step=stats.mean_accepted_len, choices=choices)
 
 
 def profile_hybrid(target_path: Path, draft: DraftProfile, draft_path: Path, prompts: list[str | list[int]],
@@ -279,7 +312,7 @@ def cmd_profile(args) -> int:
         if not args.no_ngram and profiles[-1].status == "ok":
             profiles.append(profile_hybrid(target, profiles[-1], path, prompts, args.k_max, args.max_new_tokens,
                                            device, config.target.dtype, draft_dtype=draft_dtype))
-    medusa_spec = config.speculative.medusa if config.speculative.method == Method.MEDUSA else None
+    medusa_spec = config.speculative.medusa if config.has_medusa_heads else None
     heads = [Path(h) for h in args.medusa] or ([config.medusa_dir()] if medusa_spec is not None else [])
     trees = [_tree_arg(t) for t in args.tree] or ([medusa_spec.choices] if medusa_spec is not None
                                                   else list(NAMED_TREES))

@@ -125,7 +125,7 @@ def test_adaptive_k_governs_lookup_rows(pair, monkeypatch):
                              max_batch_size=4)
     seen = []
 
-    def never_pays(rates, limits, uses_model=None):
+    def never_pays(rates, limits, uses_model=None, widths=None):
         seen.append(list(uses_model))
         return 0
 

@@ -15,8 +15,8 @@ parameter ``role`` says which part this instance plays:
 Other config.pbtxt parameters: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``,
 ``config_name``, ``device``, ``adaptive_draft_len``, ``method``, ``ngram_min_match``, ``ngram_max_match`` (the
 config's drafting method and lookup settings; without them the engines' recorded ones) and ``engine_model``. Both export the counters ``spec_*_total`` on Triton's metrics
-port, and ``spec_drafted_at_position_total`` / ``spec_accepted_at_position_total`` per draft position (label
-``position``; for Medusa the tree depth) (the engine model counts all the work it did, proxied requests included; the
+port, the engine model also ``spec_drafted_at_position_total`` / ``spec_accepted_at_position_total`` per draft
+position (label ``position``; for Medusa the tree depth) (the engine model counts all the work it did, proxied requests included; the
 proxy the requests it answered);
 the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``.
 """
@@ -65,14 +65,14 @@ class TritonPythonModel:
         self.logger = pb_utils.Logger
         self.counters = {field: self._counter(name, description, self.labels)
                          for name, description, field in COUNTERS}
-        # Per draft position (a Medusa tree's depth): how often a step drafted there and how often the target kept
-        # it; one metric per position label, made when the position first occurs.
-        self.position_families = {field: self._family(name, description, pb_utils.MetricFamily.COUNTER)
-                                  for name, description, field in POSITION_COUNTERS}
-        self.position_metrics = {}
         if self.role == "proxy":
             self.engine_model = params["engine_model"]
             return
+        # Per draft position (a Medusa tree's depth), on the engine model: how often a step drafted there and how
+        # often the target kept it; one metric per position label, made when the position first occurs.
+        self.position_families = {field: self._family(name, description, pb_utils.MetricFamily.COUNTER)
+                                  for name, description, field in POSITION_COUNTERS}
+        self.position_metrics = {}
         if params["pipeline_root"] not in sys.path:
             sys.path.insert(0, params["pipeline_root"])
         from pipeline.executor import RequestError, SpeculativeExecutor
@@ -233,9 +233,7 @@ class TritonPythonModel:
         return self._family(name, description, pb_utils.MetricFamily.COUNTER).Metric(labels=labels)
 
     def _gauge(self, name, description):
-        family = pb_utils.MetricFamily(name=name, description=description, kind=pb_utils.MetricFamily.GAUGE)
-        self.families.append(family)
-        return family.Metric(labels=self.labels)
+        return self._family(name, description, pb_utils.MetricFamily.GAUGE).Metric(labels=self.labels)
 
     def _count(self, stats):
         self.ok_requests.increment(1)
