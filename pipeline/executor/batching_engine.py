@@ -5,10 +5,13 @@ Per step, for the running requests (rows) at once:
   2. Propose: each row's proposer (proposers/, by the request's method) drafts up to the row's own K into a
      StepBatch; the draft model runs one batched forward per draft position for all the rows it drafts, its first
      forward also catching up on tokens the draft has not seen.
-  3. Verify: one batched target forward over every row's unseen tokens + its draft tokens.
+  3. Verify: one batched target forward over every row's unseen tokens + its draft tokens (a Medusa row's: its
+     candidate tree, each node at root + depth under the tree mask).
   4. Accept: the pure accept rule, one call for the greedy rows and one for the sampled rows, each row with its
-     own sampling parameters and randomness drawn from its own generator.
-  5. Roll back: each row's KV caches drop that row's rejected positions; finished rows leave their slots.
+     own sampling parameters and randomness drawn from its own generator; tree rows by the tree rules.
+  5. Roll back: each row's KV caches drop that row's rejected positions (a tree row first moves its accepted
+     path's KV next to the root); finished rows leave their slots. Proposers that draft from the target's hidden
+     state get it, at each of their rows' last accepted position.
 Rows differ in length, K, sampling parameters, seed, stop tokens and max_new_tokens; a row's tokens depend only on
 its own request (each has its own generator, and the mask keeps rows from seeing each other).
 """
@@ -192,7 +195,7 @@ class BatchingEngine:
         positions = batch.first_logit[chosen][:, None] + torch.arange(k + 1)[None, :]
         return positions.clamp_max(width - 1)  # past a row's own drafts: padding, never read as its output
 
-    def _accept_greedy(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int]]:
+    def _accept_greedy(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
         """All greedy rows through one accept_matching call; drafts padded with -1, which never matches."""
         chosen = [row for row, request in enumerate(batch.requests)
                   if request.params.greedy and batch.trees[row] is None]
@@ -204,7 +207,7 @@ class BatchingEngine:
         output, num_accepted = accept_matching(batch.draft_tokens[chosen], target_tokens)
         return _per_row(chosen, output, num_accepted)
 
-    def _accept_sampled(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int]]:
+    def _accept_sampled(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
         """All sampled rows through one accept call. Each row's randomness comes from its own generator, drawn
         before the call (num_draft + 1 uniforms), so its tokens never depend on its neighbours."""
         chosen = [row for row, request in enumerate(batch.requests)
