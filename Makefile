@@ -11,11 +11,12 @@ ARGS ?=
 
 .PHONY: setup real-model build-engines check convert build run deploy serve bench bench-serve profile train-pair train-draft test clean-engines
 
-# The venv is rebuilt when pyproject.toml changes; torch is pinned so pip takes the local CPU wheel.
-$(VENV)/.installed: pyproject.toml
+# The venv is rebuilt when pyproject.toml or constraints.txt changes; torch is pinned so pip takes the local CPU
+# wheel, and constraints.txt pins what the package imports at run time (a fresh clone tests what we tested).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[serve,test]'
+	$(PY) -m pip install --quiet -e '.[serve,test]' -c constraints.txt
 	touch $@
 
 setup: $(VENV)/.installed

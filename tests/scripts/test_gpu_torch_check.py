@@ -87,11 +87,14 @@ def _module():
 
 
 def test_wheel_list_pins_match_this_environment():
-    """The carried wheels are the versions the test suite runs with."""
+    """The carried wheels are the versions the test suite runs with, which `make` installs from constraints.txt."""
     import importlib.metadata
 
-    for dist, version, _, _ in _module().WHEELS:
+    module = _module()
+    for dist, version, _, _ in module.WHEELS:
         assert importlib.metadata.version(dist) == version, dist
+    pinned = [line for line in (REPO / "constraints.txt").read_text().splitlines() if line and line[0] != "#"]
+    assert pinned == module.wheel_list("all")
 
 
 def test_parity_rule_tolerates_near_ties_and_fails_clear_divergences(monkeypatch):
