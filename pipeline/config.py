@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .errors import ConfigError, short_repr
 from .methods import Method, NgramSettings
 from .speculative.tree import TokenTree
-from .speculative.tree_choices import DEFAULT_TREE, NAMED_TREES
+from .speculative.tree_choices import DEFAULT_TREE, NAMED_TREES, tree_paths
 
 # K beyond this gives no measurable benefit (acceptance decays geometrically with position) and TensorRT-LLM's
 # draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
@@ -121,7 +121,7 @@ class MedusaSpec(_Section):
         return self
 
     def paths(self) -> list[list[int]]:
-        return NAMED_TREES[self.choices] if isinstance(self.choices, str) else self.choices
+        return tree_paths(self.choices)
 
     def tree(self) -> TokenTree:
         return TokenTree.from_choices(self.paths())

@@ -36,6 +36,15 @@ def _round(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(float(value), digits)
 
 
+def _acceptance_by_position(steps: Sequence[tuple[int, int]]) -> list[float]:
+    """Of the steps that drafted position d (Medusa: a tree at least d deep), the share that kept it."""
+    shares = []
+    for d in range(max((drafted for drafted, _ in steps), default=0)):
+        reached = [accepted for drafted, accepted in steps if drafted > d]
+        shares.append(_round(sum(accepted > d for accepted in reached) / len(reached)))
+    return shares
+
+
 def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Sequence[Sample]],
                 costs: CostTerms) -> dict:
     """``repeats[r][p]`` is prompt p of repeat r. Greedy decoding makes every repeat emit the same tokens, so
@@ -71,10 +80,7 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
         "alpha": _round(alpha),
         "mean_accepted_len": _round(tokens / len(steps) if steps else 0.0),
         "mean_draft_len": _round(k_mean),
-        # of the steps that drafted position d (Medusa: a tree of depth >= d), the share that kept it
-        "acceptance_by_position": [_round(sum(1 for dr, a in steps if a > d) / n)
-                                   for d in range(max((dr for dr, _ in steps), default=0))
-                                   if (n := sum(1 for dr, _ in steps if dr > d))],
+        "acceptance_by_position": _acceptance_by_position(steps),
         "cost_ratio_c": _round(c), "verify_cost_ratio": _round(verify),
         "bound_speedup": _round(bound), "bound_speedup_refined": _round(refined),
         "predicted_speedup": _round(predicted),

@@ -19,7 +19,7 @@ from ..layout import Layout
 from ..medusa_heads import ENGINE_SUBDIR
 from ..methods import Method, NgramSettings, parse_method
 from ..speculative.tree import TokenTree
-from ..speculative.tree_choices import DEFAULT_TREE, NAMED_TREES
+from ..speculative.tree_choices import DEFAULT_TREE, tree_paths
 from .base import ExecutorBase
 from .batching_engine import BatchingEngine
 from .request import SpecRequest
@@ -63,8 +63,7 @@ class SpeculativeExecutor(ExecutorBase):
         self.eos_token_ids = _eos_ids(target_model, tokenizer)
         tree = None
         if medusa is not None:
-            tree = TokenTree.from_choices(NAMED_TREES[medusa_choices] if isinstance(medusa_choices, str)
-                                          else medusa_choices)
+            tree = TokenTree.from_choices(tree_paths(medusa_choices))
             medusa = _fit_heads(medusa, target_model, tree)
             if self.method == Method.MEDUSA:  # K is the tree's depth (a smaller K cuts the tree)
                 self.max_draft_len = max_draft_len = tree.max_depth

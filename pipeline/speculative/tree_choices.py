@@ -25,3 +25,8 @@ NAMED_TREES: dict[str, list[list[int]]] = {
                 [1, 0, 0], [0, 0, 0, 0]],
 }
 DEFAULT_TREE = "mc_sim_7b_63"
+
+
+def tree_paths(choices: str | list) -> list:
+    """A tree as ``speculative.medusa.choices`` gives it, a name or paths, as paths."""
+    return NAMED_TREES[choices] if isinstance(choices, str) else choices

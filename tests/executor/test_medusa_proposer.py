@@ -18,7 +18,7 @@ from pipeline.executor.kv_cache import SlotKVCache, _SlotLayer
 from pipeline.medusa_heads import MedusaHeads
 from pipeline.methods import Method
 from pipeline.speculative.tree import TokenTree
-from pipeline.speculative.tree_choices import NAMED_TREES
+from pipeline.speculative.tree_choices import tree_paths
 from tests.conftest import load_tiny_models
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "x = ["]
@@ -99,7 +99,7 @@ def test_greedy_equals_hugging_face_across_trees_and_batches(pair, name):
         assert result.token_ids == want
     for result, want in zip(alone, refs):
         assert result.token_ids == want
-    depth = TokenTree.from_choices(NAMED_TREES.get(choices) if isinstance(choices, str) else choices).max_depth
+    depth = TokenTree.from_choices(tree_paths(choices)).max_depth
     stats = batched[0].stats
     # Whole paths were accepted: the oracle's branch, to the tree's depth, in most steps.
     assert stats.mean_accepted_len > 1 + 0.6 * depth
