@@ -9,7 +9,8 @@ CONFIG ?= configs/tiny.yaml
 TINY_PAIR := models/tiny/pair.json
 ARGS ?=
 
-.PHONY: setup real-model build-engines check convert build run deploy serve bench bench-serve profile train-pair train-draft test clean-engines
+.PHONY: setup real-model build-engines check convert build run deploy serve serve-openai bench bench-serve profile train-pair train-draft \
+	test clean-engines
 
 # The venv is rebuilt when pyproject.toml or constraints.txt changes; torch is pinned so pip takes the local CPU
 # wheel, and constraints.txt pins what the package imports at run time (a fresh clone tests what we tested).
@@ -85,6 +86,10 @@ run: $(VENV)/.installed
 
 deploy serve bench profile: $(VENV)/.installed $(PAIR_DEP)
 	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+
+# serve plus an OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) on serve.openai_port.
+serve-openai: $(VENV)/.installed $(PAIR_DEP)
+	$(PY) -m pipeline serve $(CONFIG) --openai $(ARGS)
 
 # A draft distilled from the config's target (its own generations): writes models/<name>-distilled-draft.
 train-draft: $(VENV)/.installed $(PAIR_DEP)

@@ -245,12 +245,24 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
 
     if config.backend == "trtllm":
         _check_parallel(config, hf_configs["target"], report)
-    elif "kv_cache" in config.build.model_fields_set:
-        report.warnings.append("build.kv_cache: set, but only backend trtllm uses it; the torch backend keeps one KV "
-                               "row per running request and recomputes every prompt (no block reuse)")
+        torch_only = [name for name, section in (("build.max_num_tokens", config.build),
+                                                  ("build.kv_cache.max_tokens", config.build.kv_cache))
+                      if name.rsplit(".", 1)[1] in section.model_fields_set]
+        if torch_only:
+            report.warnings.append(f"{', '.join(torch_only)}: set, but only the torch backend uses it (TensorRT-LLM "
+                                   f"sizes its KV cache by build.kv_cache.free_gpu_mem_fraction)")
+    else:
+        trtllm_only = sorted(TRTLLM_ONLY_KV & config.build.kv_cache.model_fields_set)
+        if trtllm_only:
+            report.warnings.append(f"build.kv_cache.{', '.join(trtllm_only)}: set, but only backend trtllm uses it "
+                                   f"(the torch backend's paged cache reads tokens_per_block, enable_block_reuse and "
+                                   f"max_tokens)")
     if problem := bind_address_problem(config.serve.bind_address):
         report.errors.append(problem)
     return report
+
+
+TRTLLM_ONLY_KV = {"paged", "free_gpu_mem_fraction"}
 
 
 def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:

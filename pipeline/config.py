@@ -169,15 +169,19 @@ class ParallelSpec(_Section):
 
 
 class KVCacheSpec(_Section):
-    """TensorRT-LLM's KV cache manager; the torch backend keeps one growing KV row per running request instead and
-    reads none of these (it recomputes every prompt: no reuse across requests)."""
+    """The KV cache manager: TensorRT-LLM's on trtllm; on torch the engine's own paged cache (blocks per request,
+    prefix reuse across requests), which reads tokens_per_block, enable_block_reuse and max_tokens."""
 
     paged: bool = Field(True, description="trtllm: paged KV cache (required by draft_tokens_external).")
-    tokens_per_block: int = Field(64, description="trtllm: tokens per KV block (power of two).")
+    tokens_per_block: int = Field(64, description="Tokens per KV block (power of two); prefixes are reused in whole "
+                                                  "blocks.")
     free_gpu_mem_fraction: float = Field(0.9, gt=0.0, le=1.0,
                                          description="trtllm: share of free GPU memory the KV cache may take.")
-    enable_block_reuse: bool = Field(True, description="trtllm: reuse KV blocks across requests and draft steps "
-                                                       "(the torch backend recomputes every prompt).")
+    enable_block_reuse: bool = Field(True, description="Reuse the KV blocks of prompt prefixes across requests (a "
+                                                       "shared system prompt is computed once).")
+    max_tokens: int | None = Field(None, ge=1, description="torch: KV positions each model's block pool may hold "
+                                                           "(the memory limit; requests wait for room). Default: "
+                                                           "every running request at max_seq_len.")
 
     @field_validator("tokens_per_block")
     @classmethod
@@ -203,6 +207,10 @@ class BuildSpec(_Section):
                                 "max_position_embeddings, at most "
                                 f"{DEFAULT_MAX_SEQ_LEN_CAP} (KV cache and engine buffers grow with it); `check` "
                                 "prints the value chosen. A value you set is checked against both models.")
+    max_num_tokens: int = Field(256, ge=1, description="torch: tokens one engine step computes (the running "
+                                                       "requests' verify tokens, then prompt chunks; at least one KV "
+                                                       "block of prompt per step): a long prompt is prefilled over "
+                                                       "several steps while the others keep decoding.")
     parallel: ParallelSpec = Field(default_factory=ParallelSpec)
     kv_cache: KVCacheSpec = Field(default_factory=KVCacheSpec)
     quantization: QuantizationSpec = Field(default_factory=QuantizationSpec)
@@ -233,14 +241,17 @@ class ServeSpec(_Section):
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(8001, ge=1, le=65535)
     metrics_port: int = Field(8002, ge=1, le=65535)
+    openai_port: int = Field(8080, ge=1, le=65535, description="`serve --openai`: port of the OpenAI-compatible "
+                                                              "HTTP endpoint (on bind_address).")
     instances: int = Field(1, ge=1, description="Model instances (Python backend) per model.")
     max_queue_delay_us: int = Field(0, ge=0, description="Dynamic batching delay.")
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServeSpec:
-        ports = [self.http_port, self.grpc_port, self.metrics_port]
-        if len(set(ports)) != 3:
-            raise ValueError(f"serve ports must differ, got http {ports[0]}, grpc {ports[1]}, metrics {ports[2]}")
+        ports = [self.http_port, self.grpc_port, self.metrics_port, self.openai_port]
+        if len(set(ports)) != 4:
+            raise ValueError(f"serve ports must differ, got http {ports[0]}, grpc {ports[1]}, metrics {ports[2]}, "
+                             f"openai {ports[3]}")
         return self
 
 

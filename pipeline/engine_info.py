@@ -15,6 +15,7 @@ from .artifacts import read_manifest, verify_outputs
 from .config import PipelineConfig
 from .errors import EngineError
 from .layout import Layout
+from .kv_settings import KVSettings
 from .methods import Method, NgramSettings
 
 ENGINE_FILE = "engine.json"  # written by every backend's build beside its engine files
@@ -36,6 +37,7 @@ class EngineInfo:
     method: str | None = None  # speculative.method at build time (None: built before engine.json recorded it)
     ngram: dict | None = None  # speculative.ngram at build time
     medusa_choices: list | None = None  # the tree a medusa target verifies (None: another method)
+    kv: dict | None = None  # the torch engine's KVSettings fields at build time (None: built before they existed)
     architecture: str | None = None
     vocab_size: int | None = None
     # Backend-specific facts (trtllm: tp, pp, trtllm_version, gather_generation_logits, KV-cache settings,
@@ -74,6 +76,9 @@ class EngineInfo:
     def ngram_settings(self) -> NgramSettings:
         return NgramSettings(**self.ngram) if self.ngram else NgramSettings()
 
+    def kv_settings(self) -> KVSettings:
+        return KVSettings(**self.kv) if self.kv else KVSettings()
+
 
 def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
     """The engine.json fields every backend writes (backends add their own facts)."""
@@ -91,7 +96,15 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         # The tree a Medusa engine verifies (TensorRT-LLM's medusa_choices); None for the other methods.
         "medusa_choices": speculative.medusa.paths()
         if role == "target" and config.has_medusa_heads else None,
+        "kv": kv_settings(config).__dict__,
     }
+
+
+def kv_settings(config: PipelineConfig) -> KVSettings:
+    """The torch engine's paged-cache and step settings from a config."""
+    kv = config.build.kv_cache
+    return KVSettings(block_size=kv.tokens_per_block, max_tokens=kv.max_tokens, prefix_reuse=kv.enable_block_reuse,
+                      step_tokens=config.build.max_num_tokens)
 
 
 def write_engine_info(out_dir: Path, info: dict) -> None:

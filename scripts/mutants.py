@@ -27,7 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/test_accept.py",
                  "tests/executor/test_batching_engine.py::test_seeded_sampling_does_not_depend_on_neighbours",
-                 "tests/speculative/test_tree.py", "tests/executor/test_medusa_proposer.py"]
+                 "tests/speculative/test_tree.py", "tests/executor/test_medusa_proposer.py",
+                 "tests/executor/test_block_pool.py", "tests/executor/test_model_runner.py",
+                 "tests/executor/test_batching_engine.py::test_chunked_prefill_and_prefix_reuse_change_no_result"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
@@ -35,7 +37,8 @@ ENGINE = "pipeline/executor/batching_engine.py"
 DRAFT = "pipeline/executor/proposers/draft_model.py"
 ACCEPT = "pipeline/speculative/accept.py"
 TREE = "pipeline/speculative/tree.py"
-CACHE = "pipeline/executor/kv_cache.py"
+CACHE = "pipeline/executor/paged_kv_cache.py"
+POOL = "pipeline/executor/block_pool.py"
 
 
 @dataclass(frozen=True)
@@ -54,8 +57,8 @@ MUTANTS = [
            "batch.requests[row].params.top_k, batch.requests[row].params.top_p))",
            "temperature applied to the draft's distribution only (the target's stays at 1)"),
     Mutant("temperature_target_only", DRAFT,
-           "row_probs = logits_to_probs(logits[row, last][None], request.params)  # [1, V]",
-           "row_probs = logits_to_probs(logits[row, last][None], type(request.params)(1.0, request.params.top_k, "
+           "row_probs = logits_to_probs(logits[i][None], request.params)  # [1, V]",
+           "row_probs = logits_to_probs(logits[i][None], type(request.params)(1.0, request.params.top_k, "
            "request.params.top_p))  # [1, V]",
            "temperature applied to the target's distribution only (the draft samples at 1)"),
     Mutant("draft_probs_shifted", DRAFT,
@@ -112,13 +115,37 @@ MUTANTS = [
            "ok[:, node] = ok[:, p] & (tokens[:, node] == target_argmax[:, node])",
            "a tree node is compared with the target's argmax after itself instead of after its parent"),
     Mutant("tree_kv_from_first_branch", CACHE,
-           "src = torch.tensor(nodes, dtype=torch.long) + root",
-           "src = torch.arange(1, len(nodes) + 1) + root",
+           "src = self._slots(seq, [root + node for node in nodes])",
+           "src = self._slots(seq, [root + 1 + i for i in range(len(nodes))])",
            "an accepted path keeps the KV of the first candidates after the root, whichever branch was accepted"),
     Mutant("tree_depth_position_off_by_one", CACHE,
-           "positions[row, root:root + tree.size] = start + tree.depth",
-           "positions[row, root:root + tree.size] = start + tree.depth + 1",
+           "own[root:] = (start + root + tree.depth).tolist()",
+           "own[root:] = (start + root + tree.depth + 1).tolist()",
            "tree nodes sit one position past root + depth"),
+    Mutant("paged_causal_off_by_one", CACHE,
+           "allowed = keys[None, None, :] <= own_index[:, :, None]  # [n, W, L]",
+           "allowed = keys[None, None, :] < own_index[:, :, None]  # [n, W, L]",
+           "a token does not attend to its own key (the causal mask shifted by one)"),
+    Mutant("paged_sees_past_its_row", CACHE,
+           "allowed = keys[None, None, :] <= own_index[:, :, None]  # [n, W, L]",
+           "allowed = keys[None, None, :] <= (own_index[:, :, None] + 1)  # [n, W, L]",
+           "a token also sees the next position (a draft token sees the one after it)"),
+    Mutant("prefix_reuse_includes_last_token", POOL,
+           "usable = (len(prompt) - 1) // self.block_size  # whole blocks strictly before the last token",
+           "usable = len(prompt) // self.block_size",
+           "a prompt that is exactly cached blocks reuses them all, so its last token is never computed"),
+    Mutant("prefix_hash_ignores_parent", POOL,
+           "parent = hash((parent, tuple(tokens[start:start + block_size])))",
+           "parent = hash((None, tuple(tokens[start:start + block_size])))",
+           "a block is reused whenever its own tokens match, whatever came before it"),
+    Mutant("commit_uncommitted_tokens", CACHE,
+           "self.pool.commit(seq, tokens[:self.lengths[seq]])",
+           "self.pool.commit(seq, tokens + [0] * self.pool.block_size)",
+           "blocks holding draft or future positions are hashed as if final"),
+    Mutant("chunk_feeds_the_last_prompt_token", ENGINE,
+           "chunk = request.sequence[have:min(have + left, len(request.sequence) - 1)]",
+           "chunk = request.sequence[have:min(have + left, len(request.sequence))]",
+           "a prompt chunk also feeds the last prompt token, which the first step feeds again"),
     Mutant("medusa_hidden_at_root", ENGINE,
            "last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))",
            "last_position.append(int(batch.first_logit[row]) + accepted)",

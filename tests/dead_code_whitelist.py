@@ -57,8 +57,19 @@ _.initialize
 _.execute
 _.finalize
 
-# Hugging Face's Cache interface, called by the models' attention layers (pipeline/executor/kv_cache.py).
+# Hugging Face's Cache interface, called by the models' attention layers (pipeline/executor/paged_kv_cache.py).
 _.get_seq_length
+
+# uvicorn's Server reads these flags from its own loop (pipeline/openai_api/server.py stops it through them).
+_.should_exit
+_.force_exit
+
+# Engine totals the Triton engine model exports through getattr (ENGINE_COUNTERS in
+# pipeline/triton/python_model/model.py).
+_.prefill_tokens
+# The lifetime hit rate of engine.prefix_stats, for a reader of the engine; bench-serve and the metrics take deltas
+# of the totals over an interval instead.
+_.hit_rate
 
 # A signal handler's signature (pipeline/triton/cli.py).
 signum

@@ -25,6 +25,8 @@ FORBIDDEN = {
     "config": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages", "checks", "models"},
     "checks": {"executor", "bench", "triton", "cli", "run_cmd", "stages"},
     "triton": {"bench", "cli", "run_cmd"},
+    # The OpenAI endpoint is a proxy in front of Triton: it never loads a model or runs the engine itself.
+    "openai_api": {"executor", "backends", "models", "stages", "bench", "distill", "run_cmd", "cli"},
     "stages": {"bench", "triton", "cli", "run_cmd"},
     "run_cmd": {"bench", "triton", "cli"},
     "distill": {"bench", "triton", "cli", "run_cmd"},

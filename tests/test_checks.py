@@ -79,13 +79,21 @@ def test_check_refuses_a_different_tokenizer(tiny_pair, tmp_path, other_tokenize
     assert "tokenizer differs" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_check_says_kv_cache_settings_do_nothing_on_torch(tiny_pair, tmp_path):
+def test_check_says_which_kv_cache_settings_do_nothing_on_torch(tiny_pair, tmp_path):
     assert not any("kv_cache" in w for w in check_pair(load_config(write_config(
         tmp_path, tiny_config_dict(tiny_pair)))).warnings)
-    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"kv_cache": {"enable_block_reuse": True}}))
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"kv_cache": {"enable_block_reuse": False,
+                                                                                "tokens_per_block": 16}}))
+    assert not any("kv_cache" in w for w in check_pair(load_config(cfg)).warnings)  # the torch cache reads both
+    cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"kv_cache": {"free_gpu_mem_fraction": 0.5}}))
     report = check_pair(load_config(cfg))
-    assert any(w.startswith("build.kv_cache: set, but only backend trtllm uses it") for w in report.warnings)
+    assert any(w.startswith("build.kv_cache.free_gpu_mem_fraction: set, but only backend trtllm uses it")
+               for w in report.warnings)
     assert not report.errors
+    data = tiny_config_dict(tiny_pair, build={"max_num_tokens": 512, "kv_cache": {"max_tokens": 8192}})
+    report = check_pair(load_config(write_config(tmp_path, {**data, "backend": "trtllm"})))
+    assert any(w.startswith("build.max_num_tokens, build.kv_cache.max_tokens: set, but only the torch backend")
+               for w in report.warnings), report.warnings
 
 
 def test_check_refuses_too_long_max_seq_len(tiny_pair, tmp_path):

@@ -13,6 +13,7 @@ from pipeline.artifacts import read_manifest
 from pipeline.config import load_config
 from pipeline.errors import EngineError
 from pipeline.executor import SpeculativeExecutor
+from pipeline.kv_settings import KVSettings
 from pipeline.stages import run_stages
 from tests.conftest import run_cli, tiny_config_dict, write_config
 
@@ -47,6 +48,21 @@ def test_changing_k_rebuilds_only_the_build_stage(tiny_pair, tmp_path):
     assert [(r.stage, r.role, r.status) for r in results] == [
         ("convert", "target", "up to date"), ("convert", "draft", "up to date"),
         ("build", "target", "built"), ("build", "draft", "built")]
+
+
+def test_kv_cache_settings_reach_the_engine_and_an_edit_rebuilds(tiny_pair, tmp_path):
+    """The paged cache's settings travel in engine.json (the executor never reads the YAML); editing them rebuilds."""
+    engines = tmp_path / "engines"
+    config = load_config(write_config(tmp_path, tiny_config_dict(tiny_pair)))
+    run_stages(config, engines, ("convert", "build"))
+    assert SpeculativeExecutor.from_engines(engines / config.name).engine.kv == KVSettings()
+    changed = tiny_config_dict(tiny_pair, build={"max_num_tokens": 32, "kv_cache": {
+        "tokens_per_block": 16, "enable_block_reuse": False, "max_tokens": 4096}})
+    results = run_stages(load_config(write_config(tmp_path, changed)), engines, ("convert", "build"))
+    assert [r.status for r in results if r.stage == "build"] == ["built", "built"]
+    engine = SpeculativeExecutor.from_engines(engines / config.name).engine
+    assert engine.kv == KVSettings(block_size=16, max_tokens=4096, prefix_reuse=False, step_tokens=32)
+    assert engine.target.cache.pool.max_blocks == 4096 // 16 and not engine.target.cache.pool.reuse
 
 
 def test_changed_source_weights_invalidate_convert(tiny_pair, tmp_path):

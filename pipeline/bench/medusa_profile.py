@@ -86,21 +86,19 @@ def tune_tree(target_path: Path, heads_dir: Path, prompts: list, max_new_tokens:
 def _step_costs(executor, heads, context: list[int], depth: int) -> tuple[list[float], float]:
     """([n] for n = 0..MAX_NODES: a step verifying n candidates (n + 1 tokens) plus the heads, over a plain step;
     the heads alone, over a plain step)."""
-    from .timing import _time_forward
+    from .timing import _time_forward, timing_sequence
 
     runner = executor.target
-    runner.clear(0)
-    runner.prefill(0, context)
     times = {w: [] for w in TIMED_WIDTHS}
     hidden = torch.zeros(1, heads.hidden_size, device=executor.device)
     head_times = []
-    for rep in range(COST_REPEATS + 1):
-        for width in TIMED_WIDTHS:
-            times[width].append(_time_forward(runner, len(context), (context * 64)[:width]))
-        start = time.perf_counter()
-        heads.top_tokens(hidden, [MAX_RANK] * depth)
-        head_times.append(time.perf_counter() - start)
-    runner.clear(0)
+    with timing_sequence([runner], context):
+        for rep in range(COST_REPEATS + 1):
+            for width in TIMED_WIDTHS:
+                times[width].append(_time_forward(runner, len(context), (context * 64)[:width]))
+            start = time.perf_counter()
+            heads.top_tokens(hidden, [MAX_RANK] * depth)
+            head_times.append(time.perf_counter() - start)
     best = {w: min(t[1:]) for w, t in times.items()}  # the first round warms up
     plain = best[1]
     head_cost = min(head_times[1:]) / plain

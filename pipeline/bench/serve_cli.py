@@ -4,7 +4,10 @@ For every path (serve_clients: the Python engine behind ServingLoop; the real tr
 stream) and concurrency C, C client threads send their share of N greedy requests, one after another, in each
 mode (serve_matrix); cells are interleaved over rounds and each keeps its best. Also measured, before the engine
 serves anything: at batch 1 on the same prompts, our target-only decoding against Hugging Face ``generate`` greedy
-(hf_baseline). Writes engines/<name>/bench/serving.json and serving.png.
+(hf_baseline). Each cell also records the prefix cache's hit rate and the engine's mean batch occupancy over its
+requests (the engine's own totals, or the served engine model's Prometheus counters for the Triton paths); the
+``chat`` prompt set (one long system prompt before every question) is the one that exercises prefix reuse.
+Writes engines/<name>/bench/serving.json and serving.png.
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .arg_checks import check_known, check_range, int_list, name_list
+from .prompts import PROMPT_SETS
 from .serve_matrix import MODES, PATHS, ServeOptions
+
+SERVE_PROMPT_SETS = (*PROMPT_SETS, "chat")
 
 
 def add_bench_serve_parser(sub, common) -> None:
@@ -30,7 +36,9 @@ def add_bench_serve_parser(sub, common) -> None:
     p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each cell keeps its best (default 2)")
     p.add_argument("--modes", type=name_list, default=list(MODES), help=f"comma list (default {','.join(MODES)})")
     p.add_argument("--paths", type=name_list, default=list(PATHS), help=f"comma list (default {','.join(PATHS)})")
-    p.add_argument("--prompt-set", default="code", help="built-in prompt set (default code)")
+    p.add_argument("--prompt-set", default="code",
+                   help=f"built-in prompt set: {', '.join(SERVE_PROMPT_SETS)} (default code); chat puts one long "
+                        f"system prompt before every question, through the chat template when the tokenizer has one")
     p.add_argument("--num-prompts", type=int, default=8, help="distinct prompts, sent in turn (default 8)")
     p.add_argument("--hf-rounds", type=int, default=3,
                    help="rounds of batch-1 target-only vs HF generate (0 skips it; default 3)")
@@ -49,6 +57,7 @@ def _checked_options(args) -> ServeOptions:
         check_range("--concurrency", c, 1, options.requests, fix="each client needs at least one request")
     check_known("--modes", options.modes, MODES)
     check_known("--paths", options.paths, PATHS)
+    check_known("--prompt-set", [args.prompt_set], SERVE_PROMPT_SETS)
     return options
 
 
@@ -62,9 +71,9 @@ def cmd_bench_serve(args) -> int:
     from ..executor.serving_loop import ServingLoop
     from ..run_cmd import proposer_options
     from .hf_baseline import batch1_target_vs_hf
-    from .prompts import load_prompt_set, pair_seed_of
+    from .prompts import chat_prompt_ids, fit_shared_prefix, load_prompt_set, pair_seed_of
     from .runner import fit_prompt, git_commit, machine_info, timestamp
-    from .serve_clients import EngineClient, TritonHttpClient, TritonStreamClient
+    from .serve_clients import EngineClient, TritonHttpClient, TritonStreamClient, engine_totals, triton_totals
     from .serve_matrix import add_ratios, run_matrix
     from .serve_plot import plot_serving
     from .serve_report import format_serving_table, targets_met
@@ -77,14 +86,25 @@ def cmd_bench_serve(args) -> int:
         raise PipelineError(f"{root}: no built engines; run `python -m pipeline build {args.config}` first")
     target_folder = config.base_dir / config.target.model
     pair_seed = pair_seed_of(target_folder) if target_folder.is_dir() else 0
-    try:
-        texts = load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
-    except ValueError as exc:
-        raise PipelineError(str(exc)) from None
+    texts = None
+    if args.prompt_set != "chat":  # before the models load: chat needs the tokenizer
+        try:
+            texts = load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
     device = None if config.runtime.device == "auto" else config.runtime.device
     executor = SpeculativeExecutor.from_engines(root, device=device, adaptive_draft_len=True,
                                                 **proposer_options(config))
-    prompts = [fit_prompt(executor, text, options.max_tokens) for text in texts]
+    shared_prefix = None  # tokens every prompt starts with (chat only)
+    if texts is None:
+        try:
+            prompts, shared_prefix = fit_shared_prefix(
+                *chat_prompt_ids(executor.tokenizer, args.num_prompts),
+                lambda ids: fit_prompt(executor, ids, options.max_tokens))  # executor.encode passes ids through
+        except ValueError as exc:
+            raise PipelineError(str(exc)) from None
+    else:
+        prompts = [fit_prompt(executor, text, options.max_tokens) for text in texts]
     k = executor.max_draft_len
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])
 
@@ -97,14 +117,16 @@ def cmd_bench_serve(args) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     loop = ServingLoop(executor.engine)
     clients: dict[str, Callable[[], object]] = {"engine": lambda: EngineClient(executor, loop)}
+    totals: dict[str, Callable[[], dict]] = {"engine": lambda: engine_totals(executor.engine)}
     server = None
     try:
         if {"triton", "triton_stream"} & set(options.paths):
             server = start_triton(config, args.engines_dir, out_dir / "serving-tritonserver.log")
             clients["triton"] = lambda: TritonHttpClient(server.endpoints.http)
             clients["triton_stream"] = lambda: TritonStreamClient(server.endpoints.grpc)
+            totals["triton"] = totals["triton_stream"] = lambda: triton_totals(server.endpoints.metrics_url)
         clients = {path: make for path, make in clients.items() if path in options.paths}
-        records = run_matrix(clients, prompts, options, k)
+        records = run_matrix(clients, prompts, options, k, totals=totals, max_batch=executor.max_batch_size)
     finally:
         loop.stop()
         if server is not None:
@@ -114,6 +136,7 @@ def cmd_bench_serve(args) -> int:
         "config": config.name, "started": started, "finished": timestamp(), "git_commit": commit,
         "machine": {**machine_info(str(executor.device)), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
         "options": {**options.to_dict(), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+                    "shared_prefix_tokens": shared_prefix,
                     "decoding": "greedy", "max_batch_size": executor.max_batch_size, "k": k,
                     "adaptive_draft_len": True},
         "records": records, "batch1_target_vs_hf": batch1, "targets": targets_met(records),

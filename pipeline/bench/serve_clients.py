@@ -6,6 +6,9 @@ blocks until its request completed and returns the request's RequestTiming.
                  per-token arrival, so TTFT is not measured and ITL is the request's time spread over its tokens
   triton_stream  TritonStreamClient: tritonclient gRPC stream against the decoupled ``speculative_stream``; every
                  target step arrives as it happens
+
+Each path also has a reader of the serving engine's running totals (engine_totals in this process, triton_totals
+from the server's metrics), read before and after a cell for its prefix hit rate and batch occupancy.
 """
 
 from __future__ import annotations
@@ -17,6 +20,32 @@ import time
 from .request_timing import RequestTiming, TokenArrivals
 
 STAT_OUTPUTS = ("draft_tokens", "accepted_tokens", "target_steps")  # the request's running totals
+# The engine's running totals (BatchingEngine.prefix_stats and .counters) by the names the engine model exports
+# them under on Triton's metrics port (pipeline/triton/python_model/model.py).
+TOTAL_METRICS = {"queried_tokens": "spec_prefix_prompt_tokens_total", "hit_tokens": "spec_prefix_cached_tokens_total",
+                 "steps": "spec_engine_steps_total", "rows": "spec_engine_step_rows_total"}
+
+
+def engine_totals(engine) -> dict[str, int]:
+    """The running totals of a BatchingEngine in this process."""
+    stats, counters = engine.prefix_stats, engine.counters
+    return {"queried_tokens": stats.queried_tokens, "hit_tokens": stats.hit_tokens, "steps": counters.steps,
+            "rows": counters.rows}
+
+
+def triton_totals(metrics_url: str, timeout_s: float = 30.0) -> dict[str, float | None]:
+    """The same totals scraped from a tritonserver's Prometheus text, summed over models; None for a counter the
+    server does not export (an engine model older than these counters)."""
+    import urllib.request
+
+    with urllib.request.urlopen(metrics_url, timeout=timeout_s) as response:
+        text = response.read().decode()
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            sums[name] = sums.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return {key: sums.get(name) for key, name in TOTAL_METRICS.items()}
 
 
 class EngineClient:

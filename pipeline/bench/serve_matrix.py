@@ -9,7 +9,8 @@ Modes, for every path (see serve_clients) and concurrency C:
   speculative_fixed  batched, every request names K = the config's K (the engine never caps a named K)
 
 Cells are interleaved over rounds (round 1 of every cell, then round 2, ...) and each cell keeps its best round by
-tokens/s: the machine is shared and load from elsewhere only ever makes a round slower.
+tokens/s: the machine is shared and load from elsewhere only ever makes a round slower. A path's totals reader, read
+before and after each cell, gives the cell's prefix cache hit rate and mean batch occupancy (cell_usage).
 """
 
 from __future__ import annotations
@@ -44,9 +45,27 @@ class ServeOptions:
         return asdict(self)
 
 
+def cell_usage(before: dict | None, after: dict | None, max_batch: int) -> dict:
+    """A cell's prefix_hit_rate (prompt tokens reused / looked up) and occupancy (mean running requests per engine
+    step / max_batch) from the engine totals (serve_clients.engine_totals) read before and after it; None where a
+    total is unknown or did not move."""
+
+    def delta(key: str) -> float | None:
+        if before is None or after is None or before.get(key) is None or after.get(key) is None:
+            return None
+        return after[key] - before[key]
+
+    queried, hit, steps, rows = (delta(key) for key in ("queried_tokens", "hit_tokens", "steps", "rows"))
+    return {"prefix_hit_rate": round(hit / queried, 3) if queried and hit is not None else None,
+            "occupancy": round(rows / steps / max_batch, 3) if steps and rows is not None else None}
+
+
 def run_matrix(clients: dict[str, Callable[[], object]], prompts: list[list[int]], options: ServeOptions, k: int,
-               note: Callable[[str], None] = print) -> list[dict]:
-    """Every (path, mode, concurrency) cell, rounds interleaved; one record per cell, its best round."""
+               note: Callable[[str], None] = print, totals: dict[str, Callable[[], dict]] | None = None,
+               max_batch: int = 1) -> list[dict]:
+    """Every (path, mode, concurrency) cell, rounds interleaved; one record per cell, its best round. ``totals``:
+    per path, a reader of the serving engine's running totals (none: the cell's usage fields are None)."""
+    totals = totals or {}
     cells = [(path, mode, c) for c in options.concurrency for path in options.paths if path in clients
              for mode in options.modes]
     best: dict[tuple[str, str, int], dict] = {}
@@ -55,10 +74,13 @@ def run_matrix(clients: dict[str, Callable[[], object]], prompts: list[list[int]
     for round_index in range(options.rounds):
         for path, mode, c in cells:
             draft_len = mode_draft_len(mode, k)
+            read = totals.get(path)
+            before = read() if read else None
             timings, wall = run_load(clients[path], prompts, options.requests, c, options.max_tokens, draft_len,
                                      mode == "one_at_a_time")
+            usage = cell_usage(before, read() if read else None, max_batch)
             record = {"path": path, "mode": mode, "concurrency": c,
-                      "k": ADAPTIVE if draft_len is None else draft_len, **summarize(timings, wall)}
+                      "k": ADAPTIVE if draft_len is None else draft_len, **summarize(timings, wall), **usage}
             key = (path, mode, c)
             if key not in best or record["tokens_per_s"] > best[key]["tokens_per_s"]:
                 best[key] = record

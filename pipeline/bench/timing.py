@@ -10,6 +10,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 
@@ -53,18 +54,36 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
+TIMING_SEQ = "cost-timing"  # the sequence the timings run on, in an otherwise idle engine
+
+
+@contextmanager
+def timing_sequence(runners, context: Sequence[int]):
+    """Open TIMING_SEQ in each runner with ``context``'s KV (a realistic attention span), close it afterwards."""
+    runners = [r for r in runners if r is not None]
+    try:
+        for runner in runners:
+            runner.open(TIMING_SEQ, [])
+            runner.forward([TIMING_SEQ], [list(context)], logits_for=[0])
+        yield
+    finally:
+        for runner in runners:
+            if TIMING_SEQ in runner.cache.lengths:
+                runner.close(TIMING_SEQ)
+
+
 def _time_forward(runner, context_len: int, tokens: list[int]) -> float:
     start = time.perf_counter()
-    runner.forward([tokens])
+    runner.forward([TIMING_SEQ], [tokens])
     elapsed = time.perf_counter() - start
-    runner.truncate(0, context_len)
+    runner.truncate(TIMING_SEQ, context_len)
     return elapsed
 
 
 def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: int = 15, warmup: int = 3
                   ) -> CostTerms:
-    """Time single-token forwards of ``target`` and ``draft`` (the engine's BatchModelRunners, slot 0, so the
-    engine must be idle) and K+1-token target forwards.
+    """Time single-token forwards of ``target`` and ``draft`` (the engine's BatchModelRunners, on a sequence of
+    their own, so the engine must be idle) and K+1-token target forwards.
 
     ``context`` fills both caches first (a real prompt, so attention spans a realistic length). The appended
     tokens are the context's own first tokens: their values do not change the cost.
@@ -74,24 +93,19 @@ def measure_costs(target, draft, context: Sequence[int], k_max: int, repeats: in
     context = list(context)
     if len(context) < k_max + 1:
         raise ValueError(f"context: {len(context)} tokens; need at least k_max + 1 = {k_max + 1} to append")
-    runners = [r for r in (target, draft) if r is not None]  # no draft model (ngram): its cost is 0
-    for runner in runners:
-        runner.clear(0)
-        runner.prefill(0, context)
     single = {"target": [], "draft": []}
     verify: list[list[float]] = [[] for _ in range(k_max)]
-    for rep in range(warmup + repeats):
-        t = _time_forward(target, len(context), context[:1])
-        d = _time_forward(draft, len(context), context[:1]) if draft is not None else 0.0
-        widths = [_time_forward(target, len(context), context[:k + 1]) for k in range(1, k_max + 1)]
-        if rep < warmup:
-            continue  # first calls pay allocator and dispatch warm-up
-        single["target"].append(t)
-        single["draft"].append(d)
-        for k, value in enumerate(widths):
-            verify[k].append(value)
-    for runner in runners:
-        runner.clear(0)
+    with timing_sequence([target, draft], context):  # no draft model (ngram): its cost is 0
+        for rep in range(warmup + repeats):
+            t = _time_forward(target, len(context), context[:1])
+            d = _time_forward(draft, len(context), context[:1]) if draft is not None else 0.0
+            widths = [_time_forward(target, len(context), context[:k + 1]) for k in range(1, k_max + 1)]
+            if rep < warmup:
+                continue  # first calls pay allocator and dispatch warm-up
+            single["target"].append(t)
+            single["draft"].append(d)
+            for k, value in enumerate(widths):
+                verify[k].append(value)
     ms = lambda xs: statistics.median(xs) * 1000.0  # noqa: E731
     return CostTerms(target_ms=ms(single["target"]), draft_ms=ms(single["draft"]),
                      verify_ms=[ms(v) for v in verify], context_tokens=len(context), repeats=repeats)

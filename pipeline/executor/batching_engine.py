@@ -1,31 +1,38 @@
 """The batching engine (torch backend): every running request advances in each step together.
 
 Per step, for the running requests (rows) at once:
-  1. Admit: waiting requests take free slots; each new one's prompt is prefilled into both KV caches alone.
-  2. Propose: each row's proposer (proposers/, by the request's method) drafts up to the row's own K into a
-     StepBatch; the draft model runs one batched forward per draft position for all the rows it drafts, its first
+  1. Admit: waiting requests join while the batch and the KV pool have room; each opens its sequences in both
+     KV caches, taking the cached blocks its prompt starts with (prefix reuse), and is prefilling until the rest of
+     its prompt has KV.
+  2. Propose: each decoding row's proposer (proposers/, by the request's method) drafts up to the row's own K into
+     a StepBatch; the draft model runs one batched forward per draft position for all the rows it drafts, its first
      forward also catching up on tokens the draft has not seen.
-  3. Verify: one batched target forward over every row's unseen tokens + its draft tokens (a Medusa row's: its
-     candidate tree, each node at root + depth under the tree mask).
+  3. Verify: one packed target forward over every decoding row's unseen tokens + its draft tokens (a Medusa row's:
+     its candidate tree, each node at root + depth under the tree mask), and in the same forward the next chunk of
+     each prefilling row's prompt, within the step's token budget (chunked prefill: a long prompt never stalls the
+     decoding rows).
   4. Accept: the pure accept rule, one call for the greedy rows and one for the sampled rows, each row with its
      own sampling parameters and randomness drawn from its own generator; tree rows by the tree rules.
   5. Roll back: each row's KV caches drop that row's rejected positions (a tree row first moves its accepted
-     path's KV next to the root); finished rows leave their slots. Proposers that draft from the target's hidden
-     state get it, at each of their rows' last accepted position.
+     path's KV next to the root) and hash their newly full blocks for reuse; finished rows release their blocks.
+     Proposers that draft from the target's hidden state get it, at each of their rows' last accepted position.
 Rows differ in length, K, sampling parameters, seed, stop tokens and max_new_tokens; a row's tokens depend only on
-its own request (each has its own generator, and the mask keeps rows from seeing each other).
+its own request (each has its own generator, and attention runs per row over its own blocks).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
 from ..methods import NgramSettings
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample_inverse_cdf
 from ..speculative.tree import greedy_tree_accept, sampled_tree_accept, uniforms_needed
+from .block_pool import PrefixStats
 from .draft_policy import DraftPolicy
+from ..kv_settings import KVSettings
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers
 from .request import SpecRequest
@@ -34,18 +41,39 @@ from .scheduler import Scheduler
 from .step_batch import StepBatch
 
 
+@dataclass
+class EngineCounters:
+    """Running totals since the engine started (metrics: mean occupancy = rows / steps / max_batch)."""
+
+    steps: int = 0  # engine steps that ran a forward
+    rows: int = 0  # running requests summed over those steps
+    tokens: int = 0  # packed target tokens computed
+    prefill_tokens: int = 0  # of those, prompt-chunk tokens
+
+
 class BatchingEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
                  k_max: int, acceptance: str = "rejection", adaptive_k: bool = False, compile: bool = False,
-                 ngram: NgramSettings | None = None, medusa: tuple | None = None):
+                 ngram: NgramSettings | None = None, medusa: tuple | None = None, kv: KVSettings | None = None):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``adaptive_k``: cap K per step
         from measured costs and acceptance (for serving; a result never depends on it, see SpecRequest);
         ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``medusa``: (MedusaHeads,
-        TokenTree) for requests whose method is medusa."""
+        TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
+        step's token budget."""
         self.device = torch.device(device)
-        self.target = BatchModelRunner(target_model, self.device, max_batch, max_tokens, compile)
-        self.draft = BatchModelRunner(draft_model, self.device, max_batch, max_tokens, compile) \
-            if draft_model is not None else None
+        self.kv = kv or KVSettings()
+        tree = medusa[1] if medusa is not None else None
+        self.spare = max(k_max, tree.size if tree is not None else 0) + 1  # tokens a verify writes past the end
+        self.max_len = max_tokens
+        max_blocks = self.kv.max_blocks(max_batch, max_tokens, self.spare)
+
+        def runner(model):
+            return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,
+                                    self.kv.prefix_reuse, compile)
+
+        self.target = runner(target_model)
+        self.draft = runner(draft_model) if draft_model is not None else None
+        self.max_blocks = max_blocks
         self.vocab_size = vocab_size  # ids both models have (padded embedding rows are not tokens)
         self.acceptance = acceptance
         self.scheduler = Scheduler(max_batch)
@@ -58,6 +86,8 @@ class BatchingEngine:
         self.policy = DraftPolicy(k_max) if adaptive_k and k_max > 0 else None
         if self.policy is not None:
             self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
+        self.step_tokens: list[int] = []  # recent steps' packed target tokens
+        self.counters = EngineCounters()
 
     # ---- the server-facing API ------------------------------------------------------------------------------------
 
@@ -65,7 +95,7 @@ class BatchingEngine:
         self.scheduler.add(request)
 
     def cancel(self, request: SpecRequest) -> StreamEvent | None:
-        """Stop a request; its slot is freed at the next step. None when it had already finished."""
+        """Stop a request; its blocks are released at the next step. None when it had already finished."""
         if request.finished:
             return None
         self.scheduler.drop_waiting(request)
@@ -82,26 +112,70 @@ class BatchingEngine:
     def waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """Prompt tokens looked up in the target's prefix cache, and how many of them were reused."""
+        return self.target.cache.pool.stats
+
     def step(self) -> list[tuple[SpecRequest, StreamEvent]]:
-        """Advance every running request by one target step; returns each one's event."""
+        """Advance every running request by one target step; returns each decoding one's event."""
         self._retire()
-        for slot, request in self.scheduler.admit():
-            self._prefill(slot, request)
+        for request in self.scheduler.admit(self._fits):
+            self._open(request)
         rows = self.scheduler.running
         if not rows:
             return []
-        events = self._verify(self._propose(rows))
+        self.counters.steps += 1
+        self.counters.rows += len(rows)
+        decoding = [request for request in rows if not self._prefilling(request)]
+        events = self._verify(self._propose(decoding), [request for request in rows if self._prefilling(request)])
         self._retire()
         return events
 
     # ---- the step's parts -----------------------------------------------------------------------------------------
 
-    def _prefill(self, slot: int, request: SpecRequest) -> None:
-        # The last prompt token stays unseen: it is the first input of the request's first step.
-        context = request.sequence[:-1]
-        self.target.prefill(slot, context)
-        if self.draft is not None and request.plan.k_max > 0 and request.method.needs_draft_model:
-            self.draft.prefill(slot, context)
+    def _needs_draft(self, request: SpecRequest) -> bool:
+        return self.draft is not None and request.plan.k_max > 0 and request.method.needs_draft_model
+
+    def _fits(self, request: SpecRequest, running: list[SpecRequest]) -> bool:
+        """Admit only while every running request can still reach its longest (shared prefixes counted once per
+        request: conservative), so a step never runs out of blocks."""
+        return sum(self._worst_blocks(r) for r in [*running, request]) <= self.max_blocks
+
+    def _worst_blocks(self, request: SpecRequest) -> int:
+        longest = min(len(request.prompt_ids) + request.max_new_tokens, self.max_len) + self.spare
+        return -(-longest // self.kv.block_size)
+
+    def _open(self, request: SpecRequest) -> None:
+        # The last prompt token stays unseen: it is the first input of the request's first decoding step.
+        self.target.open(request.id, request.prompt_ids)
+        if self._needs_draft(request):
+            self.draft.open(request.id, request.prompt_ids)
+
+    def _prefilling(self, request: SpecRequest) -> bool:
+        return self.target.length(request.id) < len(request.sequence) - 1
+
+    def _chunks(self, prefilling: list[SpecRequest], used: int) -> list[list[int]]:
+        """Step 3's prompt chunks, first come first served within what the verify left of the token budget; at
+        least one block's worth moves every step, so prompts advance even when the verifies fill the budget."""
+        left = max(self.kv.step_tokens - used, min(self.kv.block_size, self.kv.step_tokens))
+        chunks = []
+        for request in prefilling:
+            have = self.target.length(request.id)
+            chunk = request.sequence[have:min(have + left, len(request.sequence) - 1)]
+            left -= len(chunk)
+            chunks.append(chunk)
+        return chunks
+
+    def _prefill_draft(self, prefilling: list[SpecRequest]) -> None:
+        """Bring the draft's cache of each prefilling row as far as the target's (its own prefix hits may differ),
+        in one packed draft forward."""
+        rows = [r for r in prefilling if self._needs_draft(r) and self.draft.length(r.id) < self.target.length(r.id)]
+        if rows:
+            inputs = [r.sequence[self.draft.length(r.id):self.target.length(r.id)] for r in rows]
+            self.draft.forward([r.id for r in rows], inputs, logits_for=[0] * len(rows))
+            for request in rows:
+                self.draft.commit(request.id, request.sequence)
 
     def _propose(self, rows: list[SpecRequest]) -> StepBatch:
         """Step 2: each row's K (its own, within the batch's cap), then its proposer's tokens."""
@@ -125,17 +199,31 @@ class BatchingEngine:
         batch.seal(self.vocab_size, self.device)
         return batch
 
-    def _verify(self, batch: StepBatch) -> list[tuple[SpecRequest, StreamEvent]]:
-        """Steps 3-5: one target forward for all rows, one accept call per mode, then roll back per row."""
+    def _verify(self, batch: StepBatch, prefilling: list[SpecRequest]) -> list[tuple[SpecRequest, StreamEvent]]:
+        """Steps 3-5: one target forward for all rows (prompt chunks included), one accept call per mode, then roll
+        back per row."""
         start = time.perf_counter()
         rows = batch.requests
-        inputs = [request.sequence[self.target.length(row):] + batch.proposals[row]
+        inputs = [request.sequence[self.target.length(request.id):] + batch.proposals[row]
                   for row, request in enumerate(rows)]
+        chunks = self._chunks(prefilling, sum(len(ids) for ids in inputs))
         # Rows whose method drafts from the target's hidden state (Medusa) need it after every step, drafted or not.
         hidden_rows = [row for row, request in enumerate(rows) if request.method in self._hidden_users]
-        out = self.target.forward(inputs, trees=batch.trees if any(batch.trees) else None, hidden=bool(hidden_rows))
+        out = self.target.forward([r.id for r in rows] + [r.id for r in prefilling], inputs + chunks,
+                                  logits_for=[len(ids) for ids in inputs] + [0] * len(chunks),
+                                  trees=batch.trees + [None] * len(chunks) if any(batch.trees) else None,
+                                  hidden=bool(hidden_rows))
+        packed = sum(map(len, inputs + chunks))
+        self.counters.tokens += packed
+        self.counters.prefill_tokens += sum(map(len, chunks))
+        self.step_tokens = (self.step_tokens + [packed])[-64:]
+        for request in prefilling:
+            self.target.commit(request.id, request.sequence)
+        self._prefill_draft(prefilling)
+        if not rows:
+            return []
         logits, hidden = out if hidden_rows else (out, None)
-        logits = logits[..., :self.vocab_size]  # [rows, width, V]
+        logits = logits[:len(rows), :, :self.vocab_size]  # [rows, width, V]
         # Row r's logits at padded position first_logit[r] + j judge its draft token j (j = num_draft: the bonus);
         # for a tree row, first_logit[r] + j is node j's (the root's at j = 0).
         batch.first_logit = torch.tensor([len(ids) for ids in inputs]) - batch.num_draft - 1
@@ -148,15 +236,16 @@ class BatchingEngine:
             drafted = tree.max_depth if tree is not None else len(batch.proposals[row])
             base = len(request.prompt_ids) + len(request.generated)
             if tree is not None:  # the accepted path's KV moves next to the root; the other branches are dropped
-                self.target.keep_path(row, base - 1, path)
+                self.target.keep_path(request.id, base - 1, path)
             # Step 5: drop the KV of rejected draft tokens; the emitted extra token is fed next step.
-            self.target.truncate(row, base + accepted)
-            if self.draft is not None:
-                self.draft.truncate(row, base + accepted)
+            self._roll_back(request, base + accepted)
             if self.policy is not None:
                 self.policy.observe(request.id, drafted, accepted)
             last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))
             events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row])))
+            for runner in (self.target, self.draft):  # the KV up to the new length is final: reusable blocks
+                if runner is not None and request.id in runner.cache.lengths:
+                    runner.commit(request.id, request.sequence)
         if hidden_rows:
             index = torch.tensor([last_position[row] for row in hidden_rows], device=hidden.device)
             states = hidden[torch.tensor(hidden_rows, device=hidden.device), index]  # [R, d]
@@ -164,8 +253,13 @@ class BatchingEngine:
                 if proposer.wants_hidden:
                     mine = [i for i, row in enumerate(hidden_rows) if rows[row].method == method]
                     proposer.verified([rows[hidden_rows[i]] for i in mine], states[mine])
-        self._record("target", logits.shape[0] * logits.shape[1], time.perf_counter() - start)
+        self._record("target", packed, time.perf_counter() - start)
         return events
+
+    def _roll_back(self, request: SpecRequest, length: int) -> None:
+        for runner in (self.target, self.draft):
+            if runner is not None and request.id in runner.cache.lengths:
+                runner.truncate(request.id, length)
 
     def _accept_trees(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list[int]]]:
         """Tree rows one by one (trees differ in shape per row): the greedy longest path, or the lossless walk over
@@ -236,20 +330,16 @@ class BatchingEngine:
         return _per_row(chosen, output, num_accepted)
 
     def _record(self, role: str, tokens: int, seconds: float) -> None:
-        """One step phase's cost: a draft position (``tokens`` = rows) or the verify (rows x width tokens)."""
+        """One step phase's cost: a draft position (``tokens`` = rows) or the verify (its packed tokens)."""
         self.costs.record(role, seconds)
         if self.policy is not None:
             getattr(self.policy, role).record(tokens, seconds, measured=True)
 
     def _retire(self) -> None:
-        moves, freed = self.scheduler.retire()
-        for runner in (self.target, self.draft):
-            if runner is None:
-                continue
-            for src, dst in moves:
-                runner.move(src, dst)
-            for slot in freed:
-                runner.clear(slot)
+        for request in self.scheduler.retire():
+            for runner in (self.target, self.draft):
+                if runner is not None and request.id in runner.cache.lengths:
+                    runner.close(request.id)
 
 
 def _per_row(chosen: list[int], output: torch.Tensor,

@@ -226,10 +226,10 @@ class DraftPolicy:
             tokens = sum(expected_tokens_per_step(a, kr) for a, kr in zip(row_rates, ks))
             drafting = sum(1 for kr, model in zip(ks, uses_model) if kr > 0 and model)
             draft_seconds = k * self.draft(drafting) if drafting else 0.0
-            # The verify pads every row to the widest one: rows x (widest K + 1) tokens, whatever the others draft;
-            # a tree row (Medusa) verifies its tree cut to depth K, widths[r](K) tokens.
-            widest = max(kr + 1 if widths is None or widths[r] is None else widths[r](kr) for r, kr in enumerate(ks))
-            seconds = draft_seconds + self.target(rows * widest)
+            # The verify packs the rows' tokens: K + 1 per chain row, and for a tree row (Medusa) its tree cut to
+            # depth K, widths[r](K) tokens.
+            verified = sum(kr + 1 if widths is None or widths[r] is None else widths[r](kr) for r, kr in enumerate(ks))
+            seconds = draft_seconds + self.target(verified)
             if tokens / seconds > best:
                 best_k, best = k, tokens / seconds
         return best_k

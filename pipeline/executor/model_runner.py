@@ -1,8 +1,9 @@
-"""One causal LM and its slot KV cache: turns one scheduled batch into one forward pass.
+"""One causal LM and its paged KV cache: turns one scheduled batch into one packed forward.
 
-Rows are the running requests' slots ``[0, rows)``; each row appends its own number of tokens (padded to the
-widest row). The runner builds per-row position ids and a 4D mask, so any Hugging Face causal LM that takes
-``position_ids`` and a prepared 4D ``attention_mask`` runs ragged batches without knowing about them.
+Each row names a sequence and the tokens it appends (a verify's few, a prompt chunk's many, or none). The runner
+packs them into one ``[1, T]`` input with per-token position ids and runs the model with the paged attention
+implementation (paged_attention.py), so rows of any lengths share the forward without padding each other; any
+Hugging Face causal LM whose attention layers go through transformers' attention interface runs this way.
 """
 
 from __future__ import annotations
@@ -12,68 +13,105 @@ import inspect
 import torch
 from torch import Tensor
 
-from .kv_cache import SlotKVCache
+from . import paged_attention
+from .paged_kv_cache import PagedKVCache
+
+
+def use_paged_attention(model) -> None:
+    """Switch ``model`` (and its sub-configs) to the paged attention implementation; outside the engine's
+    forwards it behaves as SDPA, so the same model object still serves ``generate``."""
+    name = paged_attention.register()
+    if getattr(model.config, "_attn_implementation", None) != name:
+        model.set_attn_implementation(name)
 
 
 class BatchModelRunner:
-    def __init__(self, model, device: str | torch.device, slots: int, max_tokens: int, compile: bool = False):
+    def __init__(self, model, device: str | torch.device, max_tokens: int, block_size: int, max_blocks: int,
+                 reuse: bool = True, compile: bool = False):
+        """``max_tokens``: positions one sequence may hold; ``max_blocks`` blocks of ``block_size`` tokens: the
+        KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests."""
         self.model = model
         self.device = torch.device(device)
+        use_paged_attention(model)
         params = inspect.signature(model.forward).parameters
         # transformers 5 renamed past_key_values to cache; remote-code models may still use the old name.
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._trim_logits = "logits_to_keep" in params
         self.dtype = next(model.parameters()).dtype
-        self.cache = SlotKVCache(slots, max_tokens)
+        self.cache = PagedKVCache(block_size, max_blocks, max_tokens, reuse)
+        # A prepared 4D mask makes transformers skip its own mask building; the plan carries the real masks.
+        self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
         self._forward = torch.compile(self._call, dynamic=True) if compile else self._call
 
-    def length(self, row: int) -> int:
-        return self.cache.lengths[row]
+    def length(self, seq) -> int:
+        return self.cache.length(seq)
 
-    def _call(self, input_ids: Tensor, position_ids: Tensor, mask: Tensor, keep: int,
+    def _call(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor,
               hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
         kwargs = {self._cache_kwarg: self.cache, "use_cache": True}
         if self._trim_logits:
-            kwargs["logits_to_keep"] = keep  # skips the LM head on positions nobody reads (prefill)
+            kwargs["logits_to_keep"] = keep  # the LM head runs only where someone reads the logits
         if hidden:
             kwargs["output_hidden_states"] = True
-        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, **kwargs)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self._no_mask, **kwargs)
+        logits = out.logits[0] if self._trim_logits else out.logits[0, keep]  # [kept, V]
         # hidden_states[-1] is the final hidden state after the last norm, the one the LM head (and Medusa heads) read.
-        return (out.logits, out.hidden_states[-1]) if hidden else out.logits
+        return (logits, out.hidden_states[-1][0, keep]) if hidden else logits
 
     @torch.inference_mode()
-    def forward(self, rows: list[list[int]], keep: int | None = None, first_row: int = 0, trees: list | None = None,
-                hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """Append ``rows[i]`` to the sequence in slot first_row + i; an empty row appends nothing. ``trees[i]``: row
-        i ends in a candidate tree (see SlotKVCache.prepare).
+    def forward(self, seqs: list, rows: list[list[int]], logits_for: list[int] | None = None,
+                trees: list | None = None, hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """Append ``rows[i]`` to sequence ``seqs[i]``; an empty row appends nothing. ``trees[i]``: row i ends in a
+        candidate tree (see PagedKVCache.prepare). ``logits_for``: how many of each row's last tokens need logits
+        (default: all of them; 0 for a prompt chunk nobody samples from).
 
-        Returns logits [len(rows), keep, V] (float32) of the last ``keep`` padded positions (default: all), where
-        row r's real tokens occupy positions [0, len(rows[r])) of the padded width; with ``hidden`` also the final
-        hidden states [len(rows), width, d] (the model's dtype) of every position.
+        Returns logits [rows, width, V] (float32) where row r's logits are at [0, logits_for[r]) for its last
+        tokens in order and width is the largest logits_for; with ``hidden`` also the final hidden states
+        [rows, width, d] (the model's dtype) of the same positions.
         """
         counts = [len(tokens) for tokens in rows]
-        width = max(max(counts), 1)
-        padded = [tokens + [0] * (width - len(tokens)) for tokens in rows]
-        input_ids = torch.tensor(padded, dtype=torch.long, device=self.device)  # [rows, width]
-        positions, mask = self.cache.prepare(counts, width, self.device, self.dtype, first_row, trees)
-        out = self._forward(input_ids, positions, mask, width if keep is None else keep, hidden)
-        for row, count in enumerate(counts):
-            self.cache.advance(first_row + row, count)
-        return (out[0].float(), out[1]) if hidden else out.float()
+        logits_for = counts if logits_for is None else logits_for
+        width = max(max(logits_for, default=0), 1)
+        input_ids = torch.tensor([[t for tokens in rows for t in tokens]], dtype=torch.long, device=self.device)
+        position_ids, plan = self.cache.prepare(seqs, counts, self.device, self.dtype, trees)
+        ends, end = [], 0
+        for count in counts:
+            end += count
+            ends.append(end)
+        # Packed index of every position whose logits come back, and where each lands in the [rows, width] layout.
+        keep = [end - want + i for end, want in zip(ends, logits_for) for i in range(want)]
+        keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        with paged_attention.active(plan):
+            out = self._forward(input_ids, position_ids, keep_t, hidden)
+        for seq, count in zip(seqs, counts):
+            self.cache.advance(seq, count)
+        if hidden:
+            return self._unpack(out[0], logits_for, width).float(), self._unpack(out[1], logits_for, width)
+        return self._unpack(out, logits_for, width).float()
 
-    def prefill(self, row: int, tokens: list[int]) -> None:
-        """Fill one slot with a prompt's KV, alone: padding a long prompt to the batch would waste compute."""
-        if tokens:
-            self.forward([list(tokens)], keep=1, first_row=row)
+    @staticmethod
+    def _unpack(kept: Tensor, logits_for: list[int], width: int) -> Tensor:
+        """[kept, X] in packed order -> [rows, width, X], row r's values first."""
+        out = kept.new_zeros(len(logits_for), width, kept.shape[-1])
+        at = 0
+        for row, want in enumerate(logits_for):
+            out[row, :want] = kept[at:at + want]
+            at += want
+        return out
 
-    def truncate(self, row: int, length: int) -> None:
-        self.cache.truncate(row, length)
+    # ---- per sequence ---------------------------------------------------------------------------------------------
 
-    def keep_path(self, row: int, root: int, nodes: list[int]) -> None:
-        self.cache.keep_path(row, root, nodes)
+    def open(self, seq, prompt: list[int]) -> int:
+        return self.cache.open(seq, prompt)
 
-    def move(self, src: int, dst: int) -> None:
-        self.cache.move(src, dst)
+    def truncate(self, seq, length: int) -> None:
+        self.cache.truncate(seq, length)
 
-    def clear(self, row: int) -> None:
-        self.cache.clear(row)
+    def commit(self, seq, tokens: list[int]) -> None:
+        self.cache.commit(seq, tokens)
+
+    def keep_path(self, seq, root: int, nodes: list[int]) -> None:
+        self.cache.keep_path(seq, root, nodes)
+
+    def close(self, seq) -> None:
+        self.cache.close(seq)

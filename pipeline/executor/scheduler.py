@@ -1,12 +1,14 @@
-"""Which requests run this step: a FIFO queue in front of at most ``max_batch`` running slots.
+"""Which requests run this step: a FIFO queue in front of at most ``max_batch`` running requests.
 
-Pure bookkeeping, no tensors: running requests occupy slots ``0..n-1`` (the KV cache rows of the same index), so
-when one finishes the last running request moves into its slot and the rows stay contiguous for every forward.
+Pure bookkeeping, no tensors: the running requests are a list in arrival order (their KV lives in per-request
+block tables, so one leaving moves nobody); a request joins when the batch has room and the caller's ``fits`` says
+its memory does.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from .request import SpecRequest
 
@@ -17,7 +19,7 @@ class Scheduler:
             raise ValueError(f"max_batch: {max_batch} must be >= 1")
         self.max_batch = max_batch
         self.waiting: deque[SpecRequest] = deque()
-        self.running: list[SpecRequest] = []  # index = KV cache slot
+        self.running: list[SpecRequest] = []
 
     def add(self, request: SpecRequest) -> None:
         self.waiting.append(request)
@@ -25,15 +27,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> list[tuple[int, SpecRequest]]:
-        """Move waiting requests into free slots (first come, first served); returns (slot, request) joined."""
+    def admit(self, fits: Callable[[SpecRequest, list[SpecRequest]], bool] | None = None) -> list[SpecRequest]:
+        """Move waiting requests into the batch, first come first served, while ``fits(request, running)`` (the
+        head waits, never overtaken, until it fits); returns the requests that joined."""
         joined = []
         while self.waiting and len(self.running) < self.max_batch:
-            request = self.waiting.popleft()
+            request = self.waiting[0]
             if request.finished:  # cancelled while waiting, or nothing to generate
+                self.waiting.popleft()
                 continue
-            self.running.append(request)
-            joined.append((len(self.running) - 1, request))
+            if fits is not None and self.running and not fits(request, self.running):
+                break
+            self.running.append(self.waiting.popleft())
+            joined.append(request)
         return joined
 
     def drop_waiting(self, request: SpecRequest) -> bool:
@@ -44,27 +50,8 @@ class Scheduler:
             return False
         return True
 
-    def retire(self) -> tuple[list[tuple[int, int]], list[int]]:
-        """Remove finished requests from the running slots.
-
-        Returns (moves, freed): ``moves`` are (from slot, to slot) copies that keep the running slots contiguous,
-        to apply in order; ``freed`` are the slots that end up empty.
-        """
-        moves: list[tuple[int, int]] = []
-        run = self.running
-        before = len(run)
-        slot = 0
-        while slot < len(run):
-            if not run[slot].finished:
-                slot += 1
-                continue
-            while len(run) - 1 > slot and run[-1].finished:
-                run.pop()
-            last = len(run) - 1
-            if last == slot:
-                run.pop()
-                break
-            moves.append((last, slot))
-            run[slot] = run.pop()
-            slot += 1
-        return moves, list(range(len(run), before))
+    def retire(self) -> list[SpecRequest]:
+        """Remove finished requests from the batch; returns them."""
+        done = [request for request in self.running if request.finished]
+        self.running = [request for request in self.running if not request.finished]
+        return done

@@ -22,11 +22,12 @@ from ..speculative.tree import TokenTree
 from ..speculative.tree_choices import DEFAULT_TREE, tree_paths
 from .base import ExecutorBase
 from .batching_engine import BatchingEngine
+from ..kv_settings import KVSettings
 from .request import SpecRequest
 from .results import RequestError, StreamEvent
 
 DEFAULT_MAX_BATCH = 8
-UNBOUNDED_TOKENS = 1 << 20  # cache rows grow on demand; this only bounds a pair with no position limit
+UNBOUNDED_TOKENS = 1 << 20  # KV blocks are made on demand; this only bounds a pair with no position limit
 
 
 class SpeculativeExecutor(ExecutorBase):
@@ -34,13 +35,16 @@ class SpeculativeExecutor(ExecutorBase):
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
                  draft_len_limit: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                  adaptive_draft_len: bool = False, compile: bool = False, method: str = Method.DRAFT_MODEL,
-                 ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE):
+                 ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
+                 kv: KVSettings | None = None):
         """``max_batch_size``: requests that run at once (the rest wait); ``adaptive_draft_len``: let the engine
         lower K per step when the batch makes drafting unprofitable (serving; results never depend on it);
         ``compile``: torch.compile the forwards (first calls are slow); ``method``: who proposes draft tokens,
         "draft_model", "ngram" (lookup in the prompt and generated text; ``draft_model`` may be None) or
         "ngram+draft" (per step, whichever promises more tokens per unit of cost) or "medusa" (``medusa``: a
-        MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a list of paths)."""
+        MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a list of paths);
+        ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine step's token budget
+        (chunked prefill)."""
         if acceptance not in ("rejection", "greedy"):
             raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
         self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None)
@@ -72,7 +76,7 @@ class SpeculativeExecutor(ExecutorBase):
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             k_max=max(max_draft_len, draft_len_limit or 0), acceptance=acceptance,
             adaptive_k=adaptive_draft_len, compile=compile, ngram=ngram,
-            medusa=(medusa, tree) if medusa is not None else None)
+            medusa=(medusa, tree) if medusa is not None else None, kv=kv)
 
     @property
     def has_medusa_heads(self) -> bool:
@@ -98,7 +102,7 @@ class SpeculativeExecutor(ExecutorBase):
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                         compile: bool = False, method: str = Method.DRAFT_MODEL,
                         ngram: NgramSettings | None = None, draft_dtype: str | None = None, medusa=None,
-                        medusa_choices=DEFAULT_TREE) -> SpeculativeExecutor:
+                        medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
         ``draft`` may be None with ``method="ngram"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
@@ -121,14 +125,14 @@ class SpeculativeExecutor(ExecutorBase):
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
                    max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
-                   medusa_choices=medusa_choices)
+                   medusa_choices=medusa_choices, kv=kv)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,
                      adaptive_draft_len: bool = False, method: str | None = None,
-                     ngram: NgramSettings | None = None):
+                     ngram: NgramSettings | None = None, kv: KVSettings | None = None):
         """Load the engines built for one config: ``engines/<name>`` (target/build, and draft/build unless the
-        method is ngram). ``method`` and ``ngram`` default to what the engines were built for (engine.json);
+        method is ngram). ``method``, ``ngram`` and ``kv`` default to what the engines were built for (engine.json);
         engines built by the trtllm backend open a TrtllmSpeculativeExecutor, which takes no torch options."""
         layout = Layout(Path(path))
         target_info = read_engine(layout.root, "target")
@@ -168,7 +172,7 @@ class SpeculativeExecutor(ExecutorBase):
                    max_input_len=target_info.max_input_len, draft_len_limit=target_info.max_draft_len,
                    max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
                    compile=compile, method=method, ngram=ngram, medusa=medusa,
-                   medusa_choices=target_info.medusa_choices or DEFAULT_TREE)
+                   medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings())
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..errors import BackendUnavailable, PipelineError
 from ..methods import Method
 
 
@@ -27,6 +28,12 @@ def add_triton_parsers(sub, common) -> None:
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
                    help="reloads of a model whose process died, per model within 10 minutes, before serve stops "
                         f"the server and exits 1 (default {DEFAULT_MAX_RESTARTS}; 0: exit at the first death)")
+    p.add_argument("--openai", action="store_true",
+                   help="also serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
+                        "streaming as server-sent events) in front of the same models, on serve.bind_address "
+                        "(torch backend)")
+    p.add_argument("--openai-port", type=int, default=None,
+                   help="port of the OpenAI-compatible API (default: the config's serve.openai_port, 8080)")
     p.set_defaults(func=cmd_serve)
 
 
@@ -65,10 +72,18 @@ def cmd_serve(args) -> int:
     from .server import Endpoints, TritonServer
 
     config = load_config(args.config)
+    if args.openai_port is not None and not args.openai:
+        raise PipelineError(f"--openai-port {args.openai_port}: only used with --openai; add --openai or drop it")
+    if args.openai and config.backend == "trtllm":
+        raise PipelineError("--openai: not for the trtllm backend: its repository runs in NVIDIA's TensorRT-LLM "
+                            "Triton container, not beside this process; there, Triton's own OpenAI-compatible frontend "
+                            "serves it (/opt/tritonserver/python/openai/openai_frontend/main.py --model-repository "
+                            "<repository> --tokenizer <tokenizer>)")
     if config.backend == "torch":
         from ..stages import verify_engines
 
         verify_engines(config, args.engines_dir)  # damaged or edited engines are refused before Triton loads them
+    openai_socket = _reserve_openai_port(config, args.openai_port) if args.openai else None
     result = deploy(config, args.engines_dir)
     print(f"repository {result.status}: {result.path}")
     if config.backend == "trtllm":
@@ -82,6 +97,7 @@ def cmd_serve(args) -> int:
     endpoints = Endpoints(s.bind_address, s.http_port, s.grpc_port, s.metrics_port)
     log_file = args.log_file or result.path.parent / "triton-server.log"
     server = TritonServer(result.path, endpoints, log_path=log_file)
+    openai = None
     signals = 0
 
     def on_signal(signum, frame):
@@ -92,6 +108,8 @@ def cmd_serve(args) -> int:
         if signals == 1:
             raise KeyboardInterrupt
         print("second signal: killing tritonserver and its model processes now", file=sys.stderr, flush=True)
+        if openai is not None:
+            openai.kill()
         server.kill()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -103,16 +121,61 @@ def cmd_serve(args) -> int:
               f"metrics http://{host}:{s.metrics_port}/metrics", flush=True)
         print(f"  curl -s http://{host}:{s.http_port}/v2/models/speculative/generate "
               f"-d '{{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
+        if openai_socket is not None:
+            openai = _start_openai(config, args.engines_dir, endpoints, openai_socket)
         print("Ctrl-C or SIGTERM stops it (a second one kills it at once).", flush=True)
         return _supervise(server, args.max_restarts, args.ready_timeout, log_file)
     except KeyboardInterrupt:
         print("stopping tritonserver ...", flush=True)
+        if openai is not None:
+            openai.stop()
         server.stop()
         return 130 if signals > 1 else 0
     finally:
+        if openai is not None:
+            openai.stop()
+        elif openai_socket is not None:
+            openai_socket.close()
         server.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _reserve_openai_port(config, port: int | None):
+    """The OpenAI endpoint's socket, bound before tritonserver starts: a port in use fails before anything runs."""
+    try:
+        from ..openai_api.server import reserve_port
+    except ImportError as exc:
+        raise BackendUnavailable(f"--openai: {exc.name} is not installed; run `pip install -e '.[serve]'` or "
+                                 f"`make setup`") from None
+    s = config.serve
+    setting = "serve.openai_port" if port is None else "--openai-port"
+    port = s.openai_port if port is None else port
+    taken = {s.http_port: "serve.http_port", s.grpc_port: "serve.grpc_port", s.metrics_port: "serve.metrics_port"}
+    if port in taken:
+        raise PipelineError(f"{setting}: {port} is also {taken[port]}; choose another port for the OpenAI endpoint")
+    return reserve_port(s.bind_address, port, setting)
+
+
+def _start_openai(config, engines_dir: Path, endpoints, sock):
+    """The OpenAI-compatible endpoint in front of the running Triton (gRPC); prints its URL and an example."""
+    from ..engine_info import read_engine
+    from ..layout import Layout
+    from ..openai_api.protocol import ServedModel
+    from ..openai_api.server import OpenAIServer
+    from .request_inputs import max_prompt_bytes
+
+    target = read_engine(Layout.for_config(config, engines_dir).root, "target")
+    served = ServedModel(config.name, target.max_seq_len, target.max_input_len, max_prompt_bytes(target.max_input_len))
+    openai = OpenAIServer(served, f"{endpoints.client_host()}:{endpoints.grpc_port}", sock).start()
+    print(f"OpenAI-compatible: {openai.url}  (model {config.name!r}: /models, /completions, /chat/completions)",
+          flush=True)
+    print(f"  curl -s {openai.url}/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{config.name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'",
+          flush=True)
+    print(f"  or: OpenAI(base_url=\"{openai.url}\", api_key=\"unused\").completions.create(model=\"{config.name}\", "
+          f"prompt=\"def fibonacci(n):\")", flush=True)
+    return openai
 
 
 def _supervise(server, max_restarts: int, reload_timeout_s: float, log_file: Path) -> int:

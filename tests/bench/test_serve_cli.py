@@ -1,7 +1,7 @@
 """`python -m pipeline bench-serve` (pipeline/bench/serve_cli.py) end to end.
 
-Fast: the engine path on the session's tiny pair at concurrency 1 and 2 with a few tokens; the Triton paths run briefly
-under the `server` marker.
+Fast: the engine path on the session's tiny pair at concurrency 1 and 2 with a few tokens, and with the chat prompt
+set; the Triton paths run briefly (chat prompts, usage from the server's metrics) under the `server` marker.
 """
 
 from __future__ import annotations
@@ -43,6 +43,24 @@ def test_engine_path_end_to_end(engine_bench):
     assert "speculative_fixed" in stdout and "wrote" in stdout
 
 
+def test_chat_prompts_reuse_the_shared_prefix_on_the_engine_path(built_engines, tmp_path):
+    """--prompt-set chat: every prompt starts with the (fitted) system prompt, which the engine's prefix cache
+    computes once; each cell records its hit rate and mean batch occupancy from the engine's totals."""
+    config_path, engines = built_engines
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", "engine",
+                     "--prompt-set", "chat", "--modes", "one_at_a_time,speculative", "--concurrency", "2",
+                     "--requests", "4", "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--num-prompts", "3",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "serving.json").read_text())
+    # the tiny pair's 256-token prompt limit cuts the system prompt (~1100 tokens here), still a few blocks long
+    assert data["options"]["prompt_set"] == "chat" and data["options"]["shared_prefix_tokens"] >= 128
+    for r in data["records"]:
+        assert 0 < r["prefix_hit_rate"] < 1 and 0 < r["occupancy"] <= 1
+    assert data["records"][0]["occupancy"] == 0.25  # one_at_a_time: one request in a batch of 4
+    assert "prefix hit" in result.stdout and "occupancy" in result.stdout
+
+
 def test_an_ngram_config_is_benchmarked_with_lookups(tiny_pair, tmp_path):
     """The config's speculative.method reaches the benchmarked engine: an n-gram config has no draft engine."""
     from pipeline.config import load_config
@@ -76,7 +94,8 @@ def test_triton_paths_briefly(built_engines, tmp_path):
     config_path, engines = built_engines
     result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", "triton,triton_stream",
                      "--modes", "one_at_a_time,target_only", "--concurrency", "2", "--requests", "2",
-                     "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--out", str(tmp_path), timeout=600)
+                     "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--prompt-set", "chat",
+                     "--num-prompts", "2", "--out", str(tmp_path), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((tmp_path / "serving.json").read_text())["records"]
     by_path = {(r["path"], r["mode"]): r for r in records}
@@ -85,4 +104,6 @@ def test_triton_paths_briefly(built_engines, tmp_path):
     assert by_path[("triton_stream", "target_only")]["ttft_ms_p50"] > 0
     for r in records:
         assert 0 < r["tokens"] <= 2 * 4 and r["tokens_per_s"] > 0
+        # from the served engine model's counters: the warm-up already cached the shared system prompt
+        assert 0 < r["prefix_hit_rate"] < 1 and 0 < r["occupancy"] <= 1
     assert by_path[("triton", "target_only")]["mean_draft_len"] == 0  # num_draft_tokens=0 reached the engine

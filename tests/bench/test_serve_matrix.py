@@ -31,3 +31,24 @@ def test_matrix_interleaves_rounds_and_keeps_each_cells_best(monkeypatch):
     assert calls[1:] == [(2, 0, False), (2, 3, False)] * 2  # interleaved: A B A B, never A A B B
     assert [r["tokens_per_s"] for r in records] == [2.0, 3.0]
     assert [r["k"] for r in records] == [0, 3]
+
+
+def test_cell_usage_from_totals_before_and_after():
+    before = {"queried_tokens": 100, "hit_tokens": 40, "steps": 10, "rows": 20}
+    after = {"queried_tokens": 300, "hit_tokens": 190, "steps": 30, "rows": 80}
+    assert serve_matrix.cell_usage(before, after, max_batch=4) == {"prefix_hit_rate": 0.75, "occupancy": 0.75}
+    missing = {**after, "hit_tokens": None, "rows": None}  # a server without these counters
+    assert serve_matrix.cell_usage(before, missing, 4) == {"prefix_hit_rate": None, "occupancy": None}
+    assert serve_matrix.cell_usage(None, None, 4) == {"prefix_hit_rate": None, "occupancy": None}
+    assert serve_matrix.cell_usage(before, before, 4) == {"prefix_hit_rate": None, "occupancy": None}  # idle
+
+
+def test_matrix_reads_each_paths_totals_around_each_cell(monkeypatch):
+    monkeypatch.setattr(serve_matrix, "run_load", lambda *args: ([RequestTiming(tokens=4, last_s=1.0)], 1.0))
+    reads = iter([{"queried_tokens": 0, "hit_tokens": 0, "steps": 0, "rows": 0},
+                  {"queried_tokens": 10, "hit_tokens": 5, "steps": 4, "rows": 6}])
+    options = ServeOptions(concurrency=[1], requests=1, rounds=1, modes=["speculative"], paths=["engine", "triton"])
+    records = serve_matrix.run_matrix({"engine": object, "triton": object}, [[1]], options, k=3,
+                                      note=lambda _: None, totals={"engine": lambda: next(reads)}, max_batch=2)
+    assert (records[0]["prefix_hit_rate"], records[0]["occupancy"]) == (0.5, 0.75)
+    assert (records[1]["prefix_hit_rate"], records[1]["occupancy"]) == (None, None)  # no reader for triton

@@ -64,17 +64,19 @@ def _trim_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 
 def test_engine_logits_match_hf(real_model_dir, target, chat_ids):
-    """The engine's model runner (its slot KV cache, position ids and 4D mask) against a plain HF forward: a
-    prefill of the prompt, then 5 more tokens in one forward through the cache, the verify path's shape."""
+    """The engine's model runner (paged KV, packed rows, position ids, the paged attention) against a plain HF
+    forward: a prefill of the prompt beside another row, then 5 more tokens in one forward through the cache, the
+    verify path's shape."""
     from pipeline.executor.model_runner import BatchModelRunner
 
     ids = chat_ids[0] + [504, 3575, 282, 4649, 314]  # the prompt plus five tokens to verify
     with torch.inference_mode():
         expected = target(input_ids=torch.tensor([ids])).logits[0].float()  # [len, vocab]
-    runner = BatchModelRunner(target, "cpu", slots=2, max_tokens=1024)
-    runner.clear(1)
-    first = runner.forward([[], ids[:-5]], first_row=0)[1, :len(ids) - 5]  # row 0 empty: rows stay apart
-    second = runner.forward([[], ids[-5:]], first_row=0)[1, :5]
+    runner = BatchModelRunner(target, "cpu", max_tokens=1024, block_size=16, max_blocks=256)
+    runner.open("other", chat_ids[1])
+    runner.open("seq", ids)
+    first = runner.forward(["other", "seq"], [chat_ids[1][:7], ids[:-5]])[1, :len(ids) - 5]  # rows stay apart
+    second = runner.forward(["seq"], [ids[-5:]])[0, :5]
     got = torch.cat([first, second])
     assert got.shape == expected.shape
     assert (got - expected).abs().max().item() < 1e-4

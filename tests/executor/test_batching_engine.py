@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeline.executor import SpeculativeExecutor
+from pipeline.kv_settings import KVSettings
 from tests.conftest import load_tiny_models, tiny_vocab_model
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "x = [1, 2",
@@ -60,7 +61,7 @@ def test_mixed_batch_greedy_equals_each_request_alone_and_hf(pair, max_batch):
         assert result.token_ids == reference, (index, k)
         if k == 0:
             assert result.stats.draft_tokens == 0
-    assert ex.engine.running == 0 and ex.target.cache.lengths == [0] * max_batch
+    assert ex.engine.running == 0 and ex.target.cache.lengths == {} and ex.target.cache.pool.held == 0
 
 
 def test_seeded_sampling_does_not_depend_on_neighbours(pair):
@@ -179,3 +180,66 @@ def test_other_architectures_batched_greedy_equals_hf(arch):
         results = ex.generate(prompts, max_new_tokens=12)
         for prompt, result in zip(prompts, results):
             assert result.token_ids == hf_greedy(target, prompt, 12), (arch, prompt)
+
+
+SYSTEM = "You are a careful assistant. Answer in code only, with no prose before or after it.\n"
+
+
+def _chat_requests(ex, n=6):
+    """Prompts sharing a long system prefix, greedy and seeded-sampled, different K."""
+    requests = []
+    for i in range(n):
+        sampled = dict(temperature=0.9, top_k=30, seed=100 + i) if i % 2 else {}
+        requests.append(ex.new_request(SYSTEM + PROMPTS[i], 12 + i, max_draft_len=[0, 2, 4][i % 3],
+                                       with_text=False, **sampled))
+    return requests
+
+
+def test_chunked_prefill_and_prefix_reuse_change_no_result(pair):
+    """A small step budget (prompts prefilled over several steps, chunk ends anywhere in a block) and prefix reuse
+    (the shared system prompt computed once) give exactly the tokens of whole-prompt prefill with no reuse."""
+    target, draft, tok = pair
+    plain = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_batch_size=3,
+                                kv=KVSettings(block_size=64, prefix_reuse=False, step_tokens=4096))
+    expected = plain.run(_chat_requests(plain))
+    assert plain.engine.prefix_stats.hit_tokens == 0
+    for block_size, step_tokens in ((4, 7), (8, 40)):
+        ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_batch_size=3,
+                                 kv=KVSettings(block_size=block_size, step_tokens=step_tokens))
+        results = ex.run(_chat_requests(ex))
+        for got, want in zip(results, expected):
+            assert got.token_ids == want.token_ids and got.stats.to_dict() == want.stats.to_dict()
+        prefix = len(tok(SYSTEM)["input_ids"]) // block_size * block_size
+        assert ex.engine.prefix_stats.hit_tokens >= 3 * prefix  # later requests reused the system prompt's blocks
+        # Chunks within what the verifies (3 rows of up to 5 tokens) left of the budget, or one block when they left
+        # less: a prompt always advances.
+        assert max(ex.engine.step_tokens) <= max(step_tokens, 3 * 5 + block_size)
+        assert ex.target.cache.pool.held == 0 and ex.draft.cache.pool.held == 0
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(pair):
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=2, max_batch_size=4,
+                             kv=KVSettings(block_size=4, step_tokens=10))
+    engine = ex.engine
+    runner = ex.new_request(PROMPTS[0], 300, with_text=False)
+    engine.add(runner)
+    while not runner.generated:
+        engine.step()
+    long = ex.new_request(" ".join(PROMPTS) * 2, 5, with_text=False)
+    engine.add(long)
+    steps = 0
+    while not long.generated:
+        before = len(runner.generated)
+        events = engine.step()
+        if not long.generated:
+            assert [request for request, _ in events] == [runner]  # the prefilling request emits nothing yet
+        assert len(runner.generated) > before  # the decoding row advanced in every step
+        assert engine.step_tokens[-1] <= 10
+        steps += 1
+    assert steps > (len(long.prompt_ids) - 1) // 10  # over several steps, at most 10 tokens each
+    assert not runner.finished
+    engine.cancel(runner)
+    while engine.has_work():
+        engine.step()
+    assert long.generated == hf_greedy(target, long.prompt_ids, 5)

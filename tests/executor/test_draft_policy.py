@@ -239,12 +239,13 @@ def test_draft_policy_stops_drafting_when_it_does_not_pay():
         lookups.target.record(tokens, seconds)
     assert lookups.choose([0.5], [8], uses_model=[False]) >= 1
     assert lookups.choose([0.17], [0], uses_model=[False]) == 0  # no match found: nothing to verify
-    # Rows are padded to the widest in the verify: one row's long lookup widens every row's, and at batch 8 with
-    # a compute-bound target that costs more than the one row gains.
-    padded = DraftPolicy(k_max=8)
+    # The verify packs the rows' tokens: one row's long lookup adds only its own tokens (8 + K), which stays
+    # cheap; had every row been padded to its width (72 tokens, compute-bound) it would not pay.
+    packed = DraftPolicy(k_max=8)
     for tokens, seconds in ((8, 0.008), (16, 0.0085), (72, 0.072)):  # cheap to 16 tokens, compute-bound to 72
-        padded.target.record(tokens, seconds)
-    assert padded.choose([0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) == 0
+        packed.target.record(tokens, seconds)
+    assert packed.choose([0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) >= 1
+    assert packed.choose([0.5] * 8, [8] * 8, uses_model=[False] * 8) <= 1  # all eight drafting: compute-bound
 
 
 def test_a_tree_row_is_priced_at_its_trees_width():

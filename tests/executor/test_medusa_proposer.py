@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from pipeline.executor import SpeculativeExecutor
-from pipeline.executor.kv_cache import SlotKVCache, _SlotLayer
+from pipeline.executor.paged_kv_cache import PagedKVCache, _PagedLayer
 from pipeline.medusa_heads import MedusaHeads
 from pipeline.methods import Method
 from pipeline.speculative.tree import TokenTree
@@ -158,20 +158,28 @@ def test_heads_that_do_not_fit_the_target_are_refused(pair):
 
 def test_the_cache_places_a_tree_by_depth_and_keeps_one_path():
     tree = TokenTree.from_choices([[0], [1], [1, 0], [1, 1]])  # nodes: root, [0], [1], [1,0], [1,1]
-    cache = SlotKVCache(slots=2, max_tokens=32)
-    cache.lengths = [3, 5]
-    positions, mask = cache.prepare([1 + 4, 2], 5, "cpu", torch.float32, trees=[tree, None])
-    assert positions[0].tolist() == [3, 4, 4, 5, 5]  # the root at 3, each node at root + depth
-    visible = mask[0, 0] == 0  # [5 new tokens, kv]
+    cache = PagedKVCache(block_size=4, max_blocks=8, max_len=32)
+    cache.open("a", list(range(10)))
+    cache.open("b", list(range(10)))
+    cache.lengths.update(a=3, b=5)
+    positions, plan = cache.prepare(["a", "b"], [1 + 4, 2], "cpu", torch.float32, trees=[tree, None])
+    assert positions[0].tolist() == [3, 4, 4, 5, 5, 5, 6]  # the root at 3, each node at root + depth; then b
+    (group,) = plan.groups  # both rows are short: one attention group
+    visible = group.mask[0, 0] == 0  # [5 query slots, kv]
     assert visible[:, :3].all()  # every node sees the cache before the root
     assert visible[:, 3:8].tolist() == tree.mask.tolist()
-    assert positions[1].tolist() == [5, 6, 6, 6, 6]  # the chain row: causal, padding at its last position
+    assert group.valid[1].tolist() == [True, True, False, False, False]  # the chain row: 2 tokens, padded
+    assert (group.mask[1, 0] == 0).sum(-1).tolist() == [6, 7, 7, 7, 7]  # causal; padding sees what its last sees
 
-    layer = _SlotLayer(cache)
-    layer.keys = torch.arange(2 * 16, dtype=torch.float32).view(2, 1, 16, 1)  # [slots, heads, positions, dim]
+    layer = _PagedLayer(cache)
+    # [blocks, block_size, heads, dim]: each position's value is its flat pool index
+    layer.keys = torch.arange(8 * 4, dtype=torch.float32).view(8, 4, 1, 1)
     layer.values = layer.keys.clone()
     cache.layers.append(layer)
-    cache.keep_path(0, root=3, nodes=[2, 4])  # the path [1] -> [1, 1]: nodes 2 and 4
-    assert layer.keys[0, 0, 3:6, 0].tolist() == [3.0, 5.0, 7.0]  # root kept; nodes moved next to it
-    assert layer.values[0, 0, 4:6, 0].tolist() == [5.0, 7.0]
-    assert layer.keys[1, 0, :8, 0].tolist() == list(range(16, 24))  # other rows untouched
+    flat = [block * 4 + offset for block in cache.pool.tables["a"] for offset in range(4)]  # a's positions
+    other = layer.keys[cache.pool.tables["b"]].flatten().tolist()
+    cache.keep_path("a", root=3, nodes=[2, 4])  # the path [1] -> [1, 1]: nodes 2 and 4
+    a_keys = layer.keys.flatten()[flat].tolist()
+    assert a_keys[3:6] == [flat[3], flat[5], flat[7]]  # root kept; nodes moved next to it
+    assert layer.values.flatten()[flat][4:6].tolist() == [flat[5], flat[7]]
+    assert layer.keys[cache.pool.tables["b"]].flatten().tolist() == other  # other sequences untouched

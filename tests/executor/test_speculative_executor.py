@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from pipeline.executor import RequestError, SpeculativeExecutor
+from pipeline.kv_settings import KVSettings
 from tests.conftest import load_tiny_models
 
 PROMPTS = ["def main(", "import os\nimport sys\n", "class Parser:\n    def __init__(self", "x = [1, 2"]
@@ -60,15 +61,22 @@ def test_greedy_matches_hf_generate(pair, random_draft, reference, k, draft_kind
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_cache_slots_reused_across_calls_and_bounded(pair, reference, k):
-    """The slot cache is allocated once and reused; rows never grow past max_seq_len (+1 scratch position)."""
+def test_kv_blocks_released_reused_and_bounded(pair, reference, k):
+    """Blocks come back when requests finish; a second round of the same prompts reuses their prefixes (same
+    tokens); the pool never grows past its limit (2 rows at max_seq_len + the verify's spare tokens)."""
     target, draft, tok = pair
-    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=k, max_seq_len=128, max_batch_size=2)
-    for _ in range(2):  # 4 prompts through 2 slots: requests queue and join as rows finish
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=k, max_seq_len=128, max_batch_size=2,
+                             kv=KVSettings(block_size=4))
+    for round_ in range(2):  # 4 prompts through 2 rows: requests queue and join as rows finish
         results = ex.generate(PROMPTS, max_new_tokens=40)
         assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS]
-    cache = ex.target.cache
-    assert cache.slots == 2 and cache.capacity <= 129 and cache.lengths == [0, 0]
+        if round_ == 0:
+            first = ex.engine.prefix_stats.hit_tokens
+    assert ex.engine.prefix_stats.hit_tokens > first  # the second round found the first one's prompt blocks
+    for runner in (ex.target, ex.draft):
+        pool = runner.cache.pool
+        assert runner.cache.lengths == {} and pool.held == 0
+        assert pool.capacity <= pool.max_blocks == 2 * -(-(128 + k + 1) // 4)
 
 
 @pytest.mark.slow  # torch.compile's warm-up takes minutes on 2 cores

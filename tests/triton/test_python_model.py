@@ -229,6 +229,29 @@ def test_acceptance_metrics_are_exported(server):
     assert "# TYPE spec_batch_occupancy gauge" in text
 
 
+def test_prefix_cache_and_step_counters_are_exported(server):
+    """Requests that share a prompt prefix of several KV blocks: the later ones reuse it, and the engine model's
+    counters say so; rows per step give the mean batch occupancy."""
+    names = ["spec_prefix_prompt_tokens_total", "spec_prefix_cached_tokens_total", "spec_engine_steps_total",
+             "spec_engine_step_rows_total", "spec_prefill_tokens_total"]
+
+    def scrape() -> dict[str, float]:
+        with urllib.request.urlopen(server.endpoints.metrics_url, timeout=30) as response:
+            text = response.read().decode()
+        assert all(f"# TYPE {name} counter" in text for name in names)
+        return {name: _metric(text, name, "speculative_stream") for name in names}
+
+    shared = "def helper(value):\n    return value + 1\n\n" * 8  # well over two 64-token blocks of the tiny vocab
+    before = scrape()
+    client = http_client(server)
+    for tail in PROMPTS[:3]:
+        client.infer("speculative", request_inputs(tritonclient_http, shared + tail, max_tokens=4))
+    grown = {name: value - before[name] for name, value in scrape().items()}
+    assert grown["spec_prefix_prompt_tokens_total"] >= grown["spec_prefix_cached_tokens_total"] >= 2 * 64
+    assert grown["spec_prefill_tokens_total"] > 0
+    assert grown["spec_engine_step_rows_total"] >= grown["spec_engine_steps_total"] > 0
+
+
 CANCEL_MAX_TOKENS = 400  # an uncancelled request finishes all of these within a few seconds on this pair
 
 

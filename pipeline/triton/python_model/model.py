@@ -18,7 +18,10 @@ config's drafting method and lookup settings; without them the engines' recorded
 port, the engine model also ``spec_drafted_at_position_total`` / ``spec_accepted_at_position_total`` per draft
 position (label ``position``; for Medusa the tree depth) (the engine model counts all the work it did, proxied requests included; the
 proxy the requests it answered);
-the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``.
+the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``, and the counters
+``spec_prefix_prompt_tokens_total`` / ``spec_prefix_cached_tokens_total`` (prompt tokens looked up in the prefix
+cache / reused from it), ``spec_engine_steps_total``, ``spec_engine_step_rows_total`` (mean occupancy over an
+interval = rate(rows) / rate(steps) / max batch size) and ``spec_prefill_tokens_total``.
 """
 
 import json
@@ -42,6 +45,17 @@ POSITION_COUNTERS = [
      "drafted_at"),
     ("spec_accepted_at_position_total", "Steps whose token at this position (Medusa: tree depth) the target kept",
      "accepted_at"),
+]
+# (metric name, description, engine attribute, field) for the engine model's running totals: the prefix cache's
+# reuse, and the batch each step ran (mean occupancy = rate(rows) / rate(steps) / max batch size).
+ENGINE_COUNTERS = [
+    ("spec_prefix_prompt_tokens_total", "Prompt tokens looked up in the prefix cache", "prefix_stats",
+     "queried_tokens"),
+    ("spec_prefix_cached_tokens_total", "Prompt tokens whose KV was reused from the prefix cache instead of computed",
+     "prefix_stats", "hit_tokens"),
+    ("spec_engine_steps_total", "Engine steps that ran a forward", "counters", "steps"),
+    ("spec_engine_step_rows_total", "Running requests summed over engine steps", "counters", "rows"),
+    ("spec_prefill_tokens_total", "Prompt tokens computed by prefill chunks", "counters", "prefill_tokens"),
 ]
 KEY_INPUT = "request_key"  # set by the proxy on the requests it forwards
 CANCEL_INPUT = "cancel_request"  # a request holding only this cancels the engine request with that key
@@ -92,6 +106,12 @@ class TritonPythonModel:
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
+        # Counters advance by the engine totals' growth since the last step (Triton counters only increment); work
+        # done while loading (warm-up) is not served work, so counting starts from the totals now.
+        self.engine_counters = [(self._counter(name, description, self.labels), source, field)
+                                for name, description, source, field in ENGINE_COUNTERS]
+        self.engine_seen = [getattr(getattr(self.executor.engine, source), field)
+                            for _, source, field in self.engine_counters]
         # Responses leave through their own thread: IPC to Triton then overlaps the next step's forwards instead
         # of stalling the engine once per row per step.
         self.outbox = queue.SimpleQueue()
@@ -167,6 +187,12 @@ class TritonPythonModel:
     def _on_step(self, running, waiting):
         self.occupancy.set(running / self.executor.max_batch_size)
         self.queue_depth.set(waiting)
+        engine = self.executor.engine
+        for i, (metric, source, field) in enumerate(self.engine_counters):
+            total = getattr(getattr(engine, source), field)
+            if total > self.engine_seen[i]:
+                metric.increment(total - self.engine_seen[i])
+            self.engine_seen[i] = total
 
     # ---- proxy role -----------------------------------------------------------------------------------------------
 

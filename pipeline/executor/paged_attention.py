@@ -1,0 +1,91 @@
+"""Attention over paged KV for packed batches, plugged into Hugging Face models as an attention implementation.
+
+The engine packs every row's new tokens into one sequence ``[1, T]`` (no padding in the linear layers, so a
+prompt chunk and a few verify tokens share a forward at the cost of their tokens alone). The KV cache writes the
+new keys and values into the block pool before attention runs (PagedKVCache.update), so each row can then read its
+whole history, this forward's tokens included, through its block table. Attention runs per group of rows:
+the short rows (decode and verify) together, padded to the widest of them, and each long row (a prompt chunk) on
+its own, so nobody pays for a neighbour's width.
+
+Registered under ATTENTION_NAME; while no plan is active (the same model used outside the engine, e.g. by
+``model.generate``) it is plain SDPA.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+ATTENTION_NAME = "specpipe_paged"
+
+
+@dataclass
+class AttentionGroup:
+    """Rows that attend together: query slot i of row n is packed token ``query_index[n, i]``."""
+
+    query_index: Tensor  # [n, W] long, packed token of each query slot (padding repeats the row's last token)
+    valid: Tensor  # [n, W] bool, the slot is a real token of its row (padding outputs are dropped)
+    blocks: Tensor  # [n, B] long, each row's block table (padded with block 0; masked)
+    mask: Tensor  # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere
+
+
+@dataclass
+class ForwardPlan:
+    groups: list[AttentionGroup]
+    tokens: int  # T, packed tokens in the forward
+
+
+_active = threading.local()
+
+
+@contextmanager
+def active(plan: ForwardPlan):
+    """Route attention through ``plan`` for the forwards in this block (this thread only)."""
+    _active.plan = plan
+    try:
+        yield
+    finally:
+        _active.plan = None
+
+
+def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,
+                    **kwargs) -> tuple[Tensor, None]:
+    """query [1, heads, T, d]; key/value: the layer's block pools [blocks, block_size, kv_heads, d] (what
+    PagedKVCache.update returns). Returns ([1, T, heads, d], None) as every Hugging Face attention function does."""
+    plan: ForwardPlan | None = getattr(_active, "plan", None)
+    if plan is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        raise NotImplementedError("paged attention: logit soft-capping and attention sinks are not supported")
+    heads, dim = query.shape[1], query.shape[3]
+    kv_heads, block_size = key.shape[2], key.shape[1]
+    out = query.new_empty(plan.tokens, heads, dim)
+    packed = query[0].transpose(0, 1)  # [T, heads, d]
+    for group in plan.groups:
+        n, width = group.query_index.shape
+        q = packed[group.query_index].transpose(1, 2)  # [n, heads, W, d]
+        length = group.blocks.shape[1] * block_size
+        k = key[group.blocks].reshape(n, length, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, L, d]
+        v = value[group.blocks].reshape(n, length, kv_heads, dim).transpose(1, 2)
+        # Grouped-query attention inside SDPA: copying each KV head for its query heads costs 4x the attention.
+        result = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling,
+                                                enable_gqa=kv_heads != heads)  # [n, heads, W, d]
+        out[group.query_index[group.valid]] = result.transpose(1, 2)[group.valid]
+    return out[None], None
+
+
+def register() -> str:
+    """Make ATTENTION_NAME known to transformers (idempotent); returns it."""
+    AttentionInterface.register(ATTENTION_NAME, paged_attention)
+    # Outside a plan the model builds the same masks it would for SDPA; inside one the engine passes its own.
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTENTION_NAME, sdpa_mask)
+    return ATTENTION_NAME

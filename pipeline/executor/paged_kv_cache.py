@@ -1,0 +1,194 @@
+"""Paged KV memory for the batching engine: per layer a pool of fixed-size blocks, per sequence a block table.
+
+The blocks' bookkeeping (tables, reference counts, prefix hashes, eviction) is the BlockPool's; this class owns the
+tensors: each layer keeps keys and values as ``[blocks, block_size, kv_heads, head_dim]``, grown with the pool. A
+forward appends ``counts[i]`` tokens to sequence ``seqs[i]``; :meth:`prepare` reserves their blocks and lays out
+the packed forward (positions, where each new token's KV goes, the attention groups). Rolling back rejected draft
+tokens lowers a sequence's length and trims the blocks past it; a sequence that leaves releases its blocks, with no
+copies: nobody's KV moves when a neighbour finishes.
+
+It plugs into any Hugging Face model through the ``Cache.update`` call of every attention layer, together with
+the attention implementation in paged_attention.py that reads the pools through the plan.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import Cache
+
+from .block_pool import BlockPool
+from .paged_attention import AttentionGroup, ForwardPlan
+
+SHORT_ROW = 16  # rows with at most this many new tokens attend as one padded group; longer ones (chunks) alone
+
+
+class _PagedLayer:
+    """One attention layer's block pools; made on first use (head count, dim and dtype come from the model)."""
+
+    def __init__(self, owner: PagedKVCache):
+        self.owner = owner
+        self.keys: Tensor | None = None  # [blocks, block_size, kv_heads, head_dim]
+        self.values: Tensor | None = None
+
+    def update(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
+        """key_states/value_states: [1, kv_heads, T, head_dim], the packed forward's new tokens."""
+        owner = self.owner
+        if self.keys is None or self.keys.shape[0] < owner.pool.capacity:
+            self._grow(key_states)
+        slots = owner.write_slots  # [T] flat position of each new token in the pool
+        self.keys.view(-1, *self.keys.shape[2:])[slots] = key_states[0].transpose(0, 1)
+        self.values.view(-1, *self.values.shape[2:])[slots] = value_states[0].transpose(0, 1)
+        return self.keys, self.values
+
+    def _grow(self, like: Tensor) -> None:
+        pool = self.owner.pool
+        old = 0 if self.keys is None else self.keys.shape[0]
+        # Doubling keeps growth copies rare; the pool's limit bounds the memory.
+        blocks = min(pool.max_blocks, max(pool.capacity, 2 * old, 8))
+        shape = (blocks, pool.block_size, like.shape[1], like.shape[3])
+        keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        values = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        if old:
+            keys[:old], values[:old] = self.keys, self.values
+        self.keys, self.values = keys, values
+
+    def copy(self, src: Tensor, dst: Tensor) -> None:
+        """Pool positions ``src`` [n] to ``dst`` [n] (gathered first: the ranges may overlap)."""
+        if self.keys is not None:
+            for pool in (self.keys, self.values):
+                flat = pool.view(-1, *pool.shape[2:])
+                flat[dst] = flat[src]
+
+
+class PagedKVCache(Cache):
+    """KV for the sequences the engine runs, in ``block_size``-token blocks, at most ``max_blocks`` of them."""
+
+    def __init__(self, block_size: int, max_blocks: int, max_len: int, reuse: bool = True):
+        super().__init__(layers=[])
+        self.pool = BlockPool(block_size, max_blocks, reuse)
+        self.max_len = max_len  # positions one sequence may hold
+        self.lengths: dict[object, int] = {}  # sequence -> tokens whose KV is in its blocks
+        self.write_slots: Tensor | None = None  # set by prepare() for the forward about to run: [T]
+
+    # ---- the Hugging Face Cache surface models use -----------------------------------------------------------
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        while len(self.layers) <= layer_idx:
+            self.layers.append(_PagedLayer(self))
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(self.lengths.values(), default=0)
+
+    # ---- sequences ----------------------------------------------------------------------------------------------
+
+    def open(self, seq, prompt: list[int]) -> int:
+        """Start a sequence that will hold ``prompt``; returns how many of its leading tokens already have KV."""
+        reused = self.pool.open(seq, prompt)
+        self.lengths[seq] = reused
+        return reused
+
+    def length(self, seq) -> int:
+        return self.lengths[seq]
+
+    def truncate(self, seq, length: int) -> None:
+        """Forget positions from ``length`` on (rejected draft tokens); blocks wholly past it are released."""
+        self.lengths[seq] = min(self.lengths[seq], length)
+        self.pool.trim(seq, self.lengths[seq])
+
+    def commit(self, seq, tokens: list[int]) -> None:
+        """``tokens`` are final at positions [0, len(tokens)): their full blocks become reusable prefixes."""
+        self.pool.commit(seq, tokens[:self.lengths[seq]])
+
+    def close(self, seq) -> None:
+        self.pool.close(seq)
+        del self.lengths[seq]
+
+    @torch.inference_mode()  # the pools were made in inference mode; only there may they be modified
+    def keep_path(self, seq, root: int, nodes: list[int]) -> None:
+        """After a tree verify: the KV of tree nodes ``nodes`` (an accepted path, node indices from the root at
+        position ``root``) moves to the positions right after the root, where the path's tokens now belong; the
+        caller then truncates the rest."""
+        if nodes:
+            src = self._slots(seq, [root + node for node in nodes])
+            dst = self._slots(seq, list(range(root + 1, root + 1 + len(nodes))))
+            for layer in self.layers:
+                layer.copy(src, dst)
+
+    def _slots(self, seq, positions: list[int]) -> Tensor:
+        table, size = self.pool.tables[seq], self.pool.block_size
+        return torch.tensor([table[p // size] * size + p % size for p in positions], dtype=torch.long)
+
+    # ---- one forward --------------------------------------------------------------------------------------------
+
+    def prepare(self, seqs: list, counts: list[int], device, dtype, trees: list | None = None
+                ) -> tuple[Tensor, ForwardPlan]:
+        """Get ``seqs[i]`` ready to take ``counts[i]`` new tokens each, packed in that order. ``trees[i]`` (a
+        speculative.tree.TokenTree, or None for a chain): row i's last ``tree.size`` tokens are that tree's nodes,
+        root first; node j then sits at position root + depth(j) and attends to what precedes the root and to its
+        own ancestors (the tree mask), so each candidate sees exactly its own path.
+
+        Returns (position_ids [1, T], the attention plan); sets the pool slots the new tokens' KV goes to.
+        """
+        trees = trees or [None] * len(seqs)
+        size = self.pool.block_size
+        starts = [self.lengths[seq] for seq in seqs]
+        for seq, start, count in zip(seqs, starts, counts):
+            if start + count > self.max_len:
+                raise ValueError(f"KV cache: a sequence would exceed its {self.max_len} positions")
+            self.pool.reserve(seq, start + count)
+        positions, slots = [], []
+        for seq, start, count, tree in zip(seqs, starts, counts, trees):
+            table = self.pool.tables[seq]
+            slots += [table[p // size] * size + p % size for p in range(start, start + count)]
+            own = list(range(start, start + count))
+            if tree is not None:  # node j of the tree at root + depth(j)
+                root = count - tree.size
+                own[root:] = (start + root + tree.depth).tolist()
+            positions += own
+        self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)
+        groups, offset, short = [], 0, []
+        for row, count in enumerate(counts):
+            if 0 < count <= SHORT_ROW:
+                short.append((row, offset))
+            elif count:
+                groups.append(self._group(seqs, starts, counts, trees, [(row, offset)], device, dtype))
+            offset += count
+        if short:
+            groups.insert(0, self._group(seqs, starts, counts, trees, short, device, dtype))
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        return position_ids, ForwardPlan(groups, offset)
+
+    def _group(self, seqs, starts, counts, trees, members: list[tuple[int, int]], device, dtype) -> AttentionGroup:
+        """The attention inputs of ``members`` (row, packed offset of its first new token)."""
+        size = self.pool.block_size
+        width = max(counts[row] for row, _ in members)
+        spans = [starts[row] + counts[row] for row, _ in members]  # positions each row's tokens attend over
+        blocks = -(-max(spans) // size)
+        table = torch.zeros(len(members), blocks, dtype=torch.long)
+        for n, (row, _) in enumerate(members):
+            own = self.pool.tables[seqs[row]][:-(-spans[n] // size)]
+            table[n, :len(own)] = torch.tensor(own, dtype=torch.long)
+        counts_t = torch.tensor([counts[row] for row, _ in members])  # [n]
+        starts_t = torch.tensor([starts[row] for row, _ in members])  # [n]
+        slot = torch.arange(width)  # [W]
+        offsets = torch.tensor([offset for _, offset in members])  # [n]
+        valid = slot[None, :] < counts_t[:, None]  # [n, W]
+        query_index = offsets[:, None] + torch.minimum(slot[None, :], counts_t[:, None] - 1)
+        keys = torch.arange(blocks * size)  # [L]
+        # Query slot i of a row sits at cache index start + i and sees every cached position up to its own; a
+        # padding slot sees what the row's last token sees (never an empty row, which would give NaN).
+        own_index = starts_t[:, None] + torch.minimum(slot[None, :], counts_t[:, None] - 1)  # [n, W]
+        allowed = keys[None, None, :] <= own_index[:, :, None]  # [n, W, L]
+        for n, (row, _) in enumerate(members):
+            tree = trees[row]
+            if tree is not None:
+                root = counts[row] - tree.size
+                start = starts[row] + root
+                allowed[n, root:root + tree.size, start:start + tree.size] = tree.mask
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return AttentionGroup(query_index.to(device), valid.to(device), table.to(device), mask[:, None].to(device))
+
+    def advance(self, seq, count: int) -> None:
+        self.lengths[seq] += count

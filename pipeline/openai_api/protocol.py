@@ -1,0 +1,257 @@
+"""OpenAI request bodies -> the inputs of Triton's speculative models, checked field by field.
+
+The proxy checks what only it can: JSON types (so a value converts to its tensor without wrapping around), the
+integers' ranges for the same reason, the OpenAI fields this server cannot honour, and the prompt's shape. The
+remaining value rules (temperature >= 0, top_p in (0, 1], K within the engine's limit, a prompt within
+max_input_len, message roles, the chat template) stay in one place, the model's own checks
+(pipeline/triton/request_inputs.py), whose one-line errors pass through as 400s.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from ..errors import short_repr
+from .errors import ApiError, bad_request
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A chat without max_tokens runs until its turn ends, but never past this: a model that never writes its
+# end-of-turn token would otherwise hold a batch slot for the whole context.
+CHAT_MAX_TOKENS_CAP = 1024
+OPENAI_TEMPERATURE = 1.0  # OpenAI's default: sampling (the Triton models' own default is greedy)
+MAX_STOP_STRINGS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024  # each is matched against the text's tail once per engine step
+INT32_MAX = 2**31 - 1
+UINT64_LIMIT = 2**64
+
+# Bookkeeping fields that do not change the output: accepted and ignored.
+IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
+                     "safety_identifier"})
+COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
+                    "top_k", "num_draft_tokens"})
+# Fields that change the output and that this server cannot honour: accepted only at their neutral values.
+UNSUPPORTED: dict[str, tuple[tuple, str]] = {
+    "n": ((1,), "one choice per request is supported; send n requests instead"),
+    "best_of": ((1,), "one candidate per request is supported; leave it out"),
+    "echo": ((False,), "the prompt is not echoed back; prepend it yourself"),
+    "suffix": (("",), "insertion (text after the completion) is not supported; leave it out"),
+    "logprobs": ((False,), "log probabilities are not returned; leave it out"),
+    "top_logprobs": ((0,), "log probabilities are not returned; leave it out"),
+    "presence_penalty": ((0,), "penalties are not applied; leave it at 0"),
+    "frequency_penalty": ((0,), "penalties are not applied; leave it at 0"),
+    "logit_bias": (({},), "logit bias is not applied; leave it out"),
+    "tools": (([],), "tool calling is not supported; leave it out"),
+    "functions": (([],), "function calling is not supported; leave it out"),
+    "tool_choice": (("none",), "tool calling is not supported; leave it out"),
+    "function_call": (("none",), "function calling is not supported; leave it out"),
+    "response_format": (({"type": "text"},), "structured output is not supported; ask for the format in the prompt"),
+    "modalities": ((["text"],), "text output only; leave it out"),
+    "audio": ((), "text output only; leave it out"),
+    "prediction": ((), "predicted outputs are not supported; leave it out"),
+}
+COMPLETION_FIELDS = COMMON | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty",
+                              "frequency_penalty", "logit_bias"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | (UNSUPPORTED.keys() - {"best_of", "echo", "suffix"})
+# Message keys a client may echo back from a response; ignored while empty (the template never sees them).
+ECHOED_MESSAGE_KEYS = frozenset({"refusal", "annotations", "audio", "tool_calls", "function_call", "tool_call_id"})
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The one model behind the endpoint: its name (the config's) and the target engine's limits."""
+
+    name: str
+    max_seq_len: int
+    max_input_len: int
+    max_prompt_bytes: int  # the model refuses a longer text prompt before tokenizing it
+
+    @property
+    def chat_max_tokens(self) -> int:
+        """A chat's default max_tokens: room every accepted prompt leaves (the proxy cannot count a chat's
+        tokens; the template is applied inside the model), capped."""
+        return max(1, min(CHAT_MAX_TOKENS_CAP, self.max_seq_len - self.max_input_len))
+
+    @property
+    def max_body_bytes(self) -> int:
+        # JSON escapes at most triple a prompt's UTF-8 size (\uXXXX); the rest is room for the other fields.
+        return 4 * self.max_prompt_bytes + 65536
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One checked OpenAI request: the Triton inputs and what the proxy itself does (stop strings, streaming)."""
+
+    chat: bool
+    inputs: dict[str, object]  # Triton input name -> value: str, list[int], int or float
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_completion(body: object, served: ServedModel) -> GenerationRequest:
+    body = _check_fields(body, COMPLETION_FIELDS, served)
+    if "prompt" not in body:
+        raise bad_request("prompt", "required; send the prompt text (or a list of token ids)")
+    name, prompt = _prompt(body["prompt"])
+    max_tokens = _max_tokens(body, ("max_tokens",), COMPLETION_MAX_TOKENS)
+    return _request(body, chat=False, prompt={name: prompt}, max_tokens=max_tokens)
+
+
+def parse_chat(body: object, served: ServedModel) -> GenerationRequest:
+    body = _check_fields(body, CHAT_FIELDS, served)
+    if "messages" not in body:
+        raise bad_request("messages", 'required; send [{"role": "user", "content": "..."}]')
+    messages = _messages(body["messages"])
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), served.chat_max_tokens)
+    return _request(body, chat=True, prompt={"messages": json.dumps(messages, ensure_ascii=False)},
+                    max_tokens=max_tokens)
+
+
+# ---- the parts ------------------------------------------------------------------------------------------------------
+
+def _check_fields(body: object, allowed: frozenset[str], served: ServedModel) -> dict:
+    if not isinstance(body, dict):
+        raise ApiError(400, f"request body: expected a JSON object, got {type(body).__name__}")
+    for name, value in body.items():
+        if name in IGNORED:
+            continue
+        if name not in allowed:
+            raise bad_request(name, "unknown parameter; remove it (the extensions this server adds are top_k and "
+                                    "num_draft_tokens)", code="unknown_parameter")
+        if name in UNSUPPORTED and not _neutral(value, UNSUPPORTED[name][0]):
+            raise bad_request(name, f"{short_repr(value, 40)} is not supported: {UNSUPPORTED[name][1]}",
+                              code="unsupported_parameter")
+    model = body.get("model")
+    if model is not None and model != served.name:
+        raise ApiError(404, f"model: {short_repr(model, 60)} is not served here; this endpoint serves "
+                            f"{served.name!r} (GET /v1/models)", param="model", code="model_not_found")
+    return body
+
+
+def _neutral(value: object, neutral: tuple) -> bool:
+    """None, or one of the neutral values (True is not 1 here, nor False 0)."""
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer(body: dict, name: str, rule: str, limit: int = INT32_MAX) -> int | None:
+    value = body.get(name)
+    if value is not None and (not _is_int(value) or not 0 <= value <= limit):
+        raise bad_request(name, f"{short_repr(value, 40)} {rule}")
+    return value
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise bad_request(name, f"{short_repr(value, 40)} is not a number")
+    return None if value is None else float(value)
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
+    rule = f"must be an integer >= 0 and at most {INT32_MAX} (the number of tokens to generate)"
+    given = {name: _integer(body, name, rule) for name in names if body.get(name) is not None}
+    if len(set(given.values())) > 1:
+        raise bad_request(names[0], f"{given[names[0]]} differs from {names[1]} {given[names[1]]}; send one of them")
+    return next(iter(given.values()), default)
+
+
+def _request(body: dict, chat: bool, prompt: dict, max_tokens: int) -> GenerationRequest:
+    temperature = _number(body, "temperature")
+    inputs: dict[str, object] = {
+        **prompt, "max_tokens": max_tokens,
+        "temperature": OPENAI_TEMPERATURE if temperature is None else temperature,
+    }
+    optional = {
+        "top_p": _number(body, "top_p"),
+        "top_k": _integer(body, "top_k", "must be an integer >= 0 (0 disables it)"),
+        "seed": _integer(body, "seed", "must be an integer in [0, 2**64)", UINT64_LIMIT - 1),
+        "num_draft_tokens": _integer(body, "num_draft_tokens", "must be an integer >= 0 (0 = target-only decoding)"),
+    }
+    inputs.update({name: value for name, value in optional.items() if value is not None})
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise bad_request("stream", f"{short_repr(stream, 40)} must be true or false")
+    options = body.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise bad_request("stream_options", "only allowed when stream is true")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise bad_request("stream_options", f"{short_repr(options, 60)} must be an object such as "
+                                                f'{{"include_usage": true}}')
+        include_usage = options.get("include_usage", False)
+    return GenerationRequest(chat=chat, inputs=inputs, stop=_stop(body.get("stop")), stream=bool(stream),
+                             include_usage=include_usage)
+
+
+def _stop(value: object) -> tuple[str, ...]:
+    stops = [value] if isinstance(value, str) else value if value is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request("stop", f"{short_repr(value, 60)} must be a string or a list of strings")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_request("stop", f"{len(stops)} stop strings; send at most {MAX_STOP_STRINGS}")
+    for stop in stops:
+        if len(stop) > MAX_STOP_CHARS:
+            raise bad_request("stop", f"a stop string of {len(stop)} characters is over the {MAX_STOP_CHARS}-"
+                                      f"character limit; shorten it")
+    return tuple(s for s in stops if s)
+
+
+def _prompt(value: object) -> tuple[str, str | list[int]]:
+    """("text_input", text) or ("input_ids", ids): one prompt, as a string, token ids, or a list of one of them."""
+    if isinstance(value, str):
+        return "text_input", value
+    if isinstance(value, list) and value and all(_is_int(t) for t in value):
+        bad = next((t for t in value if not 0 <= t <= INT32_MAX), None)
+        if bad is not None:
+            raise bad_request("prompt", f"token id {bad} is out of range; token ids are >= 0")
+        return "input_ids", list(value)
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)) and value[0]:
+        if isinstance(value[0], str) or all(_is_int(t) for t in value[0]):
+            return _prompt(value[0])
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise bad_request("prompt", f"{len(value)} prompts in one request; send one prompt per request (they are "
+                                    f"batched on the server anyway)")
+    raise bad_request("prompt", f"{short_repr(value, 60)} must be a string or a non-empty list of token ids")
+
+
+def _messages(value: object) -> list[dict]:
+    """OpenAI messages -> the model's {"role", "content"} messages; roles and contents are checked by the model."""
+    if not isinstance(value, list):
+        raise bad_request("messages", f'expected a list of messages such as [{{"role": "user", "content": "Hi"}}], '
+                                      f"got {type(value).__name__}")
+    converted = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(400, f"{where}: {short_repr(message, 40)} is not an object with role and content",
+                           param="messages")
+        for key, item in message.items():
+            if key in ("role", "content", "name"):  # the participant's name is not rendered: templates differ
+                continue
+            if key in ECHOED_MESSAGE_KEYS and not item:
+                continue
+            why = ("tool calling is not supported" if key.startswith(("tool", "function"))
+                   else "a message holds role and content")
+            raise ApiError(400, f"{where}.{key}: not supported ({why}); remove it", param="messages")
+        content = message.get("content")
+        converted.append({"role": message.get("role"),
+                          "content": _text_parts(content, where) if isinstance(content, list) else content})
+    return converted
+
+
+def _text_parts(parts: list, where: str) -> str:
+    """Content given as parts: text parts joined by newlines; any other kind is refused."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"{where}.content[{j}]: {short_repr(kind or part, 40)} is not supported; send text "
+                                f'parts ({{"type": "text", "text": "..."}}) or a string', param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)

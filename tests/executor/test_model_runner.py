@@ -1,0 +1,105 @@
+"""pipeline/executor/model_runner.py + paged_kv_cache.py + paged_attention.py: packed forwards over paged KV give
+Hugging Face's logits, whatever the chunking, the neighbours in the forward and the blocks a prompt reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+from pipeline.executor.model_runner import BatchModelRunner
+
+
+def _llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaForCausalLM(config).eval()
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_embd=32, n_layer=2, n_head=2, n_positions=256)).eval()
+
+
+@torch.no_grad()
+def _reference(model, ids):
+    return model(torch.tensor([ids])).logits[0]  # [len, V]
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama-gqa", "gpt2"])
+def test_chunks_of_any_size_beside_other_rows_match_hf(make):
+    model = make()
+    gen = torch.Generator().manual_seed(1)
+    long, short, other = (torch.randint(0, 100, (n,), generator=gen).tolist() for n in (45, 9, 30))
+    expected = {name: _reference(model, ids) for name, ids in (("long", long), ("short", short), ("other", other))}
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    got = {name: [] for name in expected}
+    for name, ids in (("long", long), ("short", short), ("other", other)):
+        runner.open(name, ids)
+    # Per forward: each row's next piece: long chunks (an attention group of their own), short ones grouped and
+    # padded, a row with nothing to do; chunk ends fall inside and on block boundaries.
+    plan = [{"long": 20, "short": 3, "other": 16}, {"long": 4, "short": 0, "other": 1}, {"long": 21, "short": 6,
+                                                                                          "other": 13}]
+    done = dict.fromkeys(expected, 0)
+    for pieces in plan:
+        names = list(pieces)
+        rows = [{"long": long, "short": short, "other": other}[n][done[n]:done[n] + pieces[n]] for n in names]
+        logits = runner.forward(names, rows)
+        for i, name in enumerate(names):
+            got[name].append(logits[i, :pieces[name]])
+            done[name] += pieces[name]
+    for name in expected:
+        assert torch.allclose(torch.cat(got[name]), expected[name], atol=1e-4), name
+    assert runner.cache.lengths == {"long": 45, "short": 9, "other": 30}
+
+
+def test_a_reused_prefix_gives_the_same_logits_as_computing_it():
+    model = _llama()
+    system = torch.randint(0, 100, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    first, second = system + [5, 6, 7], system + [9, 9]
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    assert runner.open("first", first) == 0
+    runner.forward(["first"], [first[:-1]], logits_for=[0])
+    runner.commit("first", first)
+    runner.close("first")  # its blocks stay cached
+    assert runner.open("second", second) == 32  # four whole blocks of the shared prefix
+    logits = runner.forward(["second"], [second[32:]])
+    assert torch.allclose(logits[0, :len(second) - 32], _reference(model, second)[32:], atol=1e-4)
+    assert runner.cache.pool.stats.hit_tokens == 32
+
+
+def test_logits_for_returns_only_the_last_tokens_of_each_row():
+    model = _llama()
+    a, b = list(range(1, 12)), list(range(20, 25))
+    runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=16)
+    runner.open("a", a)
+    runner.open("b", b)
+    logits = runner.forward(["a", "b"], [a, b], logits_for=[2, 0])
+    assert logits.shape == (2, 2, 100)
+    assert torch.allclose(logits[0], _reference(model, a)[-2:], atol=1e-4)
+    assert not logits[1].any()  # nothing asked for row b
+
+
+def test_the_model_still_generates_outside_the_engine():
+    """The paged attention implementation is plain SDPA when no engine forward is running."""
+    model = _llama()
+    prompt = torch.tensor([[3, 14, 15, 92, 65]])
+    before = model.generate(prompt, max_new_tokens=6, do_sample=False)
+    BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=16)
+    assert model.config._attn_implementation == "specpipe_paged"
+    assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False), before)
+
+
+def test_only_blocks_whose_kv_is_computed_become_reusable():
+    model = _llama()
+    ids = list(range(1, 12))
+    runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=16)
+    runner.open("a", ids)
+    runner.forward(["a"], [ids[:9]], logits_for=[0])  # KV for 9 positions: blocks 0-1 full, block 2 partial
+    runner.commit("a", ids + [0])  # the caller knows more tokens than the cache holds KV for
+    later = ids + [0, 7]
+    reused = runner.open("b", later)
+    assert reused == 8  # block 2 (positions 8-11) was not final
+    logits = runner.forward(["b"], [later[reused:]])
+    assert torch.allclose(logits[0, :len(later) - reused], _reference(model, later)[reused:], atol=1e-4)

@@ -1,0 +1,64 @@
+"""pipeline/openai_api/app.py's streaming response, driven through ASGI directly: a client that disconnects while
+the event generator waits at a ``yield`` still gets its generator closed (which cancels the Triton request), without
+waiting for garbage collection."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+pytest.importorskip("starlette")
+
+from pipeline.openai_api.app import EventStream  # noqa: E402
+
+
+def test_a_disconnect_closes_the_event_generator():
+    closed = []
+
+    async def events():
+        try:
+            yield b"data: 1\n\n"
+            yield b"data: 2\n\n"
+        finally:
+            closed.append(True)
+
+    generator = events()  # held here: garbage collection would close it too, and must not be what does
+
+    async def receive():
+        await asyncio.sleep(0.05)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body":
+            await asyncio.Event().wait()  # a client that stopped reading
+
+    async def respond() -> list:
+        scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "method": "POST", "headers": []}
+        await asyncio.wait_for(EventStream(generator, media_type="text/event-stream")(scope, receive, send), 10)
+        return list(closed)  # before asyncio.run's own clean-up closes every generator left open
+
+    assert asyncio.run(respond()) == [True]
+
+
+def test_an_error_after_the_first_event_goes_in_band_then_done():
+    from pipeline.openai_api.app import _events
+    from pipeline.openai_api.errors import ApiError
+    from pipeline.openai_api.generation import Generation
+    from pipeline.openai_api.protocol import GenerationRequest
+    from pipeline.openai_api.responses import DONE, Reply
+    from pipeline.openai_api.triton_stream import Step
+
+    class FailingTriton:
+        async def steps(self, inputs):
+            yield Step("def", [1], "", 3, {})
+            raise ApiError(500, "internal error: RuntimeError: the step failed")
+
+    async def events() -> list[bytes]:
+        generation = Generation(FailingTriton(), GenerationRequest(chat=True, inputs={}))
+        await generation.start()
+        return [event async for event in _events(generation, Reply.new(chat=True, model="m"), include_usage=True)]
+
+    sent = asyncio.run(events())
+    assert b'"role":"assistant"' in sent[0] and b'"content":"def"' in sent[1]
+    assert sent[2].startswith(b'data: {"error":') and b"the step failed" in sent[2] and sent[3:] == [DONE]
