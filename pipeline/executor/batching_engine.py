@@ -1,9 +1,9 @@
 """The batching engine (torch backend): every running request advances in each step together.
 
 Per step, for the running requests (rows) at once:
-  1. Admit: waiting requests join while the batch and the KV pool have room; each opens its sequences in both
-     KV caches, taking the cached blocks its prompt starts with (prefix reuse), and is prefilling until the rest of
-     its prompt has KV.
+  1. Admit: waiting requests join while the batch and the KV pool have room; each is prefilling until its prompt
+     has KV. When its prefill starts it opens its sequences in both KV caches, taking the cached blocks its prompt
+     starts with (prefix reuse).
   2. Propose: each decoding row's proposer (proposers/, by the request's method) drafts up to the row's own K into
      a StepBatch; the draft model runs one batched forward per draft position for all the rows it drafts, its first
      forward also catching up on tokens the draft has not seen.
@@ -120,8 +120,7 @@ class BatchingEngine:
     def step(self) -> list[tuple[SpecRequest, StreamEvent]]:
         """Advance every running request by one target step; returns each decoding one's event."""
         self._retire()
-        for request in self.scheduler.admit(self._fits):
-            self._open(request)
+        self.scheduler.admit(self._fits)
         rows = self.scheduler.running
         if not rows:
             return []
@@ -147,25 +146,34 @@ class BatchingEngine:
         return -(-longest // self.kv.block_size)
 
     def _open(self, request: SpecRequest) -> None:
+        """Look the prompt up in the prefix cache when its prefill starts, not when it joins the batch: a request
+        that joined beside another still prefilling the same system prompt then finds that prompt's blocks."""
         # The last prompt token stays unseen: it is the first input of the request's first decoding step.
         self.target.open(request.id, request.prompt_ids)
         if self._needs_draft(request):
             self.draft.open(request.id, request.prompt_ids)
 
     def _prefilling(self, request: SpecRequest) -> bool:
-        return self.target.length(request.id) < len(request.sequence) - 1
+        opened = request.id in self.target.cache.lengths
+        return not opened or self.target.length(request.id) < len(request.sequence) - 1
 
-    def _chunks(self, prefilling: list[SpecRequest], used: int) -> list[list[int]]:
-        """Step 3's prompt chunks, first come first served within what the verify left of the token budget; at
-        least one block's worth moves every step, so prompts advance even when the verifies fill the budget."""
+    def _chunks(self, prefilling: list[SpecRequest], used: int) -> tuple[list[SpecRequest], list[list[int]]]:
+        """Step 3's prompt chunks, first come first served within what the verify left of the token budget (at
+        least one block's worth every step, so prompts advance even when the verifies fill the budget); returns the
+        requests that prefill this step and their chunks."""
         left = max(self.kv.step_tokens - used, min(self.kv.block_size, self.kv.step_tokens))
-        chunks = []
+        chosen, chunks = [], []
         for request in prefilling:
+            if left <= 0:
+                break
+            if request.id not in self.target.cache.lengths:
+                self._open(request)
             have = self.target.length(request.id)
             chunk = request.sequence[have:min(have + left, len(request.sequence) - 1)]
             left -= len(chunk)
+            chosen.append(request)
             chunks.append(chunk)
-        return chunks
+        return chosen, chunks
 
     def _prefill_draft(self, prefilling: list[SpecRequest]) -> None:
         """Bring the draft's cache of each prefilling row as far as the target's (its own prefix hits may differ),
@@ -206,7 +214,7 @@ class BatchingEngine:
         rows = batch.requests
         inputs = [request.sequence[self.target.length(request.id):] + batch.proposals[row]
                   for row, request in enumerate(rows)]
-        chunks = self._chunks(prefilling, sum(len(ids) for ids in inputs))
+        prefilling, chunks = self._chunks(prefilling, sum(len(ids) for ids in inputs))
         # Rows whose method drafts from the target's hidden state (Medusa) need it after every step, drafted or not.
         hidden_rows = [row for row, request in enumerate(rows) if request.method in self._hidden_users]
         out = self.target.forward([r.id for r in rows] + [r.id for r in prefilling], inputs + chunks,

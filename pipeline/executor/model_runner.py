@@ -93,10 +93,9 @@ class BatchModelRunner:
     def _unpack(kept: Tensor, logits_for: list[int], width: int) -> Tensor:
         """[kept, X] in packed order -> [rows, width, X], row r's values first."""
         out = kept.new_zeros(len(logits_for), width, kept.shape[-1])
-        at = 0
-        for row, want in enumerate(logits_for):
-            out[row, :want] = kept[at:at + want]
-            at += want
+        rows = [row for row, want in enumerate(logits_for) for _ in range(want)]
+        columns = [i for want in logits_for for i in range(want)]
+        out[rows, columns] = kept
         return out
 
     # ---- per sequence ---------------------------------------------------------------------------------------------

@@ -32,9 +32,12 @@ class AttentionGroup:
     """Rows that attend together: query slot i of row n is packed token ``query_index[n, i]``."""
 
     query_index: Tensor  # [n, W] long, packed token of each query slot (padding repeats the row's last token)
-    valid: Tensor  # [n, W] bool, the slot is a real token of its row (padding outputs are dropped)
+    slots: Tensor  # [R] long, flat index (n * W + i) of each real query slot (padding outputs are dropped)
+    tokens: Tensor  # [R] long, the packed token each real slot's output belongs to
     blocks: Tensor  # [n, B] long, each row's block table (padded with block 0; masked)
     mask: Tensor  # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere
+    # The group is the whole forward, rows of equal width in packed order: queries and outputs are views, no copies
+    dense: bool = False
 
 
 @dataclass
@@ -68,18 +71,23 @@ def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
         raise NotImplementedError("paged attention: logit soft-capping and attention sinks are not supported")
     heads, dim = query.shape[1], query.shape[3]
     kv_heads, block_size = key.shape[2], key.shape[1]
-    out = query.new_empty(plan.tokens, heads, dim)
+    out = None if plan.groups[0].dense else query.new_empty(plan.tokens, heads, dim)
     packed = query[0].transpose(0, 1)  # [T, heads, d]
     for group in plan.groups:
         n, width = group.query_index.shape
-        q = packed[group.query_index].transpose(1, 2)  # [n, heads, W, d]
+        if group.dense:
+            q = query[0].view(heads, n, width, dim).transpose(0, 1)  # [n, heads, W, d]
+        else:
+            q = packed[group.query_index].transpose(1, 2)  # [n, heads, W, d]
         length = group.blocks.shape[1] * block_size
         k = key[group.blocks].reshape(n, length, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, L, d]
         v = value[group.blocks].reshape(n, length, kv_heads, dim).transpose(1, 2)
         # Grouped-query attention inside SDPA: copying each KV head for its query heads costs 4x the attention.
         result = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling,
                                                 enable_gqa=kv_heads != heads)  # [n, heads, W, d]
-        out[group.query_index[group.valid]] = result.transpose(1, 2)[group.valid]
+        if group.dense:
+            return result.transpose(1, 2).reshape(1, n * width, heads, dim), None
+        out[group.tokens] = result.transpose(1, 2).reshape(n * width, heads, dim)[group.slots]
     return out[None], None
 
 

@@ -188,7 +188,11 @@ class PagedKVCache(Cache):
                 start = starts[row] + root
                 allowed[n, root:root + tree.size, start:start + tree.size] = tree.mask
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
-        return AttentionGroup(query_index.to(device), valid.to(device), table.to(device), mask[:, None].to(device))
+        slots = valid.flatten().nonzero().flatten()  # [R]
+        dense = bool(valid.all()) and members[0][1] == 0 and len(members) == len(counts) and \
+            all(offset == n * width for n, (_, offset) in enumerate(members))
+        return AttentionGroup(query_index.to(device), slots.to(device), query_index.flatten()[slots].to(device),
+                              table.to(device), mask[:, None].to(device), dense)
 
     def advance(self, seq, count: int) -> None:
         self.lengths[seq] += count

@@ -243,3 +243,16 @@ def test_a_long_prompt_is_prefilled_in_chunks_while_the_others_keep_decoding(pai
     while engine.has_work():
         engine.step()
     assert long.generated == hf_greedy(target, long.prompt_ids, 5)
+
+
+def test_a_request_joining_beside_one_prefilling_the_same_prefix_reuses_it(pair):
+    """Both join in the same step; the second looks the prefix cache up only when its own prefill starts, after the
+    first has computed (and hashed) the shared system prompt in chunks."""
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=2, max_batch_size=4,
+                             kv=KVSettings(block_size=4, step_tokens=8))
+    first, second = (ex.new_request(SYSTEM + PROMPTS[i], 3, with_text=False) for i in (0, 1))
+    shared = len(tok(SYSTEM)["input_ids"]) // 4 * 4 - 4  # whole blocks surely inside the common prefix
+    results = ex.run([first, second])
+    assert ex.engine.prefix_stats.hit_tokens >= shared
+    assert [r.token_ids for r in results] == [hf_greedy(target, r.prompt_ids, 3) for r in (first, second)]

@@ -168,7 +168,7 @@ def test_the_cache_places_a_tree_by_depth_and_keeps_one_path():
     visible = group.mask[0, 0] == 0  # [5 query slots, kv]
     assert visible[:, :3].all()  # every node sees the cache before the root
     assert visible[:, 3:8].tolist() == tree.mask.tolist()
-    assert group.valid[1].tolist() == [True, True, False, False, False]  # the chain row: 2 tokens, padded
+    assert group.slots.tolist() == [0, 1, 2, 3, 4, 5, 6] and not group.dense  # the chain row: 2 tokens, padded
     assert (group.mask[1, 0] == 0).sum(-1).tolist() == [6, 7, 7, 7, 7]  # causal; padding sees what its last sees
 
     layer = _PagedLayer(cache)

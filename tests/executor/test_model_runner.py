@@ -103,3 +103,21 @@ def test_only_blocks_whose_kv_is_computed_become_reusable():
     assert reused == 8  # block 2 (positions 8-11) was not final
     logits = runner.forward(["b"], [later[reused:]])
     assert torch.allclose(logits[0, :len(later) - reused], _reference(model, later)[reused:], atol=1e-4)
+
+
+def test_rows_of_equal_width_take_the_dense_path_and_match_the_gathered_one():
+    """Equal-width rows in packed order need no query gather; the result is the same as through the gather."""
+    model = _llama()
+    a, b = list(range(1, 9)), list(range(30, 38))
+    runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=16)
+    for name, ids in (("a", a), ("b", b)):
+        runner.open(name, ids)
+    positions, plan = runner.cache.prepare(["a", "b"], [4, 4], "cpu", torch.float32)
+    assert [group.dense for group in plan.groups] == [True]
+    _, plan = runner.cache.prepare(["a", "b"], [4, 3], "cpu", torch.float32)
+    assert [group.dense for group in plan.groups] == [False]
+    runner.cache.write_slots = None
+    dense = runner.forward(["a", "b"], [a[:4], b[:4]])
+    gathered = runner.forward(["a", "b"], [a[4:], b[4:7]])
+    assert torch.allclose(dense[0], _reference(model, a)[:4], atol=1e-4)
+    assert torch.allclose(gathered[1, :3], _reference(model, b)[4:7], atol=1e-4)
