@@ -28,7 +28,6 @@ class KVSettings:
     def max_blocks(self, max_batch: int, max_len: int, spare: int) -> int:
         """The pool's limit in blocks: ``max_tokens`` when set, else every running row at ``max_len`` positions
         plus ``spare`` (draft or tree tokens past the end before the verify trims them)."""
-        per_row = -(-(max_len + spare) // self.block_size)
         if self.max_tokens is None:
-            return max_batch * per_row
-        return max(self.max_tokens // self.block_size, per_row)
+            return max_batch * -(-(max_len + spare) // self.block_size)
+        return self.max_tokens // self.block_size

@@ -36,7 +36,7 @@ from ..kv_settings import KVSettings
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers
 from .request import SpecRequest
-from .results import StreamEvent
+from .results import RequestError, StreamEvent
 from .scheduler import Scheduler
 from .step_batch import StepBatch
 
@@ -92,7 +92,19 @@ class BatchingEngine:
     # ---- the server-facing API ------------------------------------------------------------------------------------
 
     def add(self, request: SpecRequest) -> None:
+        if problem := self.kv_problem(request):
+            raise RequestError(problem)
         self.scheduler.add(request)
+
+    def kv_problem(self, request: SpecRequest) -> str | None:
+        """Why ``request`` could never run in this engine's KV pool (None: it fits, alone at worst)."""
+        need = self._worst_blocks(request)
+        if need <= self.max_blocks:
+            return None
+        size = self.kv.block_size
+        return (f"max_tokens: prompt ({len(request.prompt_ids)} tokens) + max_tokens ({request.max_new_tokens}) needs "
+                f"{need * size} KV positions, but the KV cache holds {self.max_blocks * size} "
+                f"(build.kv_cache.max_tokens); shorten the request or raise that limit")
 
     def cancel(self, request: SpecRequest) -> StreamEvent | None:
         """Stop a request; its blocks are released at the next step. None when it had already finished."""

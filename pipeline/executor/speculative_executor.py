@@ -174,6 +174,12 @@ class SpeculativeExecutor(ExecutorBase):
                    compile=compile, method=method, ngram=ngram, medusa=medusa,
                    medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings())
 
+    def new_request(self, *args, **kwargs) -> SpecRequest:
+        request = super().new_request(*args, **kwargs)
+        if problem := self.engine.kv_problem(request):
+            raise RequestError(problem)
+        return request
+
     # ---- the contract's backend part ------------------------------------------------------------------------------
 
     def _run(self, requests: list[SpecRequest]) -> Iterator[tuple[SpecRequest, StreamEvent]]:

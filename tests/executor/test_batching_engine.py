@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipeline.executor import SpeculativeExecutor
+from pipeline.executor import RequestError, SpeculativeExecutor
 from pipeline.kv_settings import KVSettings
 from tests.conftest import load_tiny_models, tiny_vocab_model
 
@@ -256,3 +256,22 @@ def test_a_request_joining_beside_one_prefilling_the_same_prefix_reuses_it(pair)
     results = ex.run([first, second])
     assert ex.engine.prefix_stats.hit_tokens >= shared
     assert [r.token_ids for r in results] == [hf_greedy(target, r.prompt_ids, 3) for r in (first, second)]
+
+
+def test_requests_wait_for_kv_memory_and_never_run_out(pair):
+    """A pool that holds one request at its longest: the second waits in the queue instead of failing mid-step."""
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=3, max_batch_size=4,
+                             kv=KVSettings(block_size=4, max_tokens=64))
+    requests = [ex.new_request(PROMPTS[i], 30, with_text=False) for i in (0, 3)]  # ~40 positions each at most
+    for request in requests:
+        ex.engine.add(request)
+    most = 0
+    while ex.engine.has_work():
+        ex.engine.step()
+        most = max(most, ex.engine.running)
+    assert most == 1
+    assert [r.generated for r in requests] == [hf_greedy(target, r.prompt_ids, 30) for r in requests]
+    with pytest.raises(RequestError, match=r"needs \d+ KV positions, but the KV cache holds 64 "
+                                           r"\(build.kv_cache.max_tokens\)"):
+        ex.new_request(PROMPTS[0], 200)
