@@ -96,7 +96,8 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         # The tree a Medusa engine verifies (TensorRT-LLM's medusa_choices); None for the other methods.
         "medusa_choices": speculative.medusa.paths()
         if role == "target" and config.has_medusa_heads else None,
-        "kv": kv_settings(config).__dict__,
+        # The torch engine's paged cache and step budget (TensorRT-LLM keeps its KV settings among its own facts).
+        **({"kv": kv_settings(config).__dict__} if backend == "torch" else {}),
     }
 
 
