@@ -296,15 +296,17 @@ def verify_cost(target, device, context: int, k_max: int, reps: int, warmup: int
     vocab = target.config.vocab_size
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, vocab, (context + k_max + 1,), generator=gen).tolist()
-    runner = BatchModelRunner(target, device, slots=1, max_tokens=context + k_max + 8)
-    runner.prefill(0, ids[:context])
+    runner = BatchModelRunner(target, device, max_tokens=context + k_max + 8, block_size=16,
+                              max_blocks=(context + k_max + 8) // 16 + 2)
+    runner.open("verify", [])
+    runner.forward(["verify"], [ids[:context]], logits_for=[0])
     rows = []
     for k in range(k_max + 1):
         new = [ids[context:context + k + 1]]
         times = []
         for i in range(warmup + reps):
-            _, seconds = clock(runner.forward, new)
-            runner.truncate(0, context)
+            _, seconds = clock(runner.forward, ["verify"], new)
+            runner.truncate("verify", context)
             if i >= warmup:
                 times.append(seconds * 1000)
         rows.append({"k": k, "new_tokens": k + 1, "ms": statistics.median(times), "ms_min": min(times)})

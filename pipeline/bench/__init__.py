@@ -2,7 +2,7 @@
 
 `bench` (batch 1, every method on the same prompts):
   timing    measured cost terms: draft/target cost ratio c and verify cost per K
-  prompts   built-in prompt sets (held-out code, generated JSON, prose)
+  prompts   built-in prompt sets (held-out code, generated JSON, prose, chat with a shared system prompt)
   measure   timing of one generation (our runtime or Hugging Face) into a Sample
   records   samples -> results.json records, and the printed table
   memory    the memory-bound limit: target weight bytes over measured read bandwidth

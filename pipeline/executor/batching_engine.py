@@ -132,7 +132,9 @@ class BatchingEngine:
     def step(self) -> list[tuple[SpecRequest, StreamEvent]]:
         """Advance every running request by one target step; returns each decoding one's event."""
         self._retire()
-        self.scheduler.admit(self._fits)
+        for request in self.scheduler.admit(self._fits):
+            if len(request.prompt_ids) <= 1:  # nothing to prefill or look up: decoding from this step on
+                self._open(request)
         rows = self.scheduler.running
         if not rows:
             return []

@@ -275,3 +275,15 @@ def test_requests_wait_for_kv_memory_and_never_run_out(pair):
     with pytest.raises(RequestError, match=r"needs \d+ KV positions, but the KV cache holds 64 "
                                            r"\(build.kv_cache.max_tokens\)"):
         ex.new_request(PROMPTS[0], 200)
+
+
+def test_a_prompt_whose_context_is_all_cached_needs_no_prefill_forward(pair):
+    """9 tokens with blocks of 4: the second time, the 8 context tokens are two cached blocks and the prefill step
+    has nothing to compute (a forward of no tokens is skipped, not run)."""
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=2, max_batch_size=2, kv=KVSettings(block_size=4))
+    prompt = list(range(5, 14))
+    first = ex.generate([prompt], max_new_tokens=6)[0]
+    second = ex.generate([prompt], max_new_tokens=6)[0]
+    assert first.token_ids == second.token_ids == hf_greedy(target, prompt, 6)
+    assert ex.engine.prefix_stats.hit_tokens == 8
