@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import os
+import queue
 import socket
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 from pipeline.config import load_config
@@ -86,3 +91,55 @@ def trtllm_config_dict(name: str = "big-tp4") -> dict:
         "runtime": {"target_device_ids": [0, 1, 2, 3], "draft_device_ids": [0]},
         "serve": {"http_port": 9000, "grpc_port": 9001, "metrics_port": 9002, "max_queue_delay_us": 100},
     }
+
+
+class Serve:
+    """One `python -m pipeline serve` subprocess and the lines it printed (``extra``: more serve flags)."""
+
+    def __init__(self, config: Path, engines: Path, *extra: str, env: dict | None = None):
+        from tests.conftest import PY, REPO
+
+        self.config = config
+        full_env = {**os.environ, "PYTHONPATH": str(REPO), **(env or {})}
+        self.process = subprocess.Popen([PY, "-m", "pipeline", "serve", str(config), "--engines-dir", str(engines),
+                                         "--ready-timeout", "400", *extra], cwd=REPO, env=full_env,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: queue.Queue = queue.Queue()
+        self.output: list[str] = []
+        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout],
+                         daemon=True).start()
+
+    def wait_for(self, predicate, timeout: float) -> str | None:
+        """The first printed line (old or new) for which predicate holds, or None when serve exits or time is up."""
+        for line in self.output:
+            if predicate(line):
+                return line
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.2)
+            except queue.Empty:
+                if self.process.poll() is not None and self.lines.empty():
+                    return None
+                continue
+            self.output.append(line)
+            if predicate(line):
+                return line
+        return None
+
+    def text(self) -> str:
+        while not self.lines.empty():
+            self.output.append(self.lines.get())
+        return "".join(self.output)
+
+    @property
+    def triton_pid(self) -> int:
+        kids = [pid for pid in _children(self.process.pid)
+                if Path(f"/proc/{pid}/exe").resolve().name == "tritonserver"]
+        assert len(kids) == 1, kids
+        return kids[0]
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

@@ -229,6 +229,8 @@ class BatchingEngine:
         inputs = [request.sequence[self.target.length(request.id):] + batch.proposals[row]
                   for row, request in enumerate(rows)]
         prefilling, chunks = self._chunks(prefilling, sum(len(ids) for ids in inputs))
+        if not rows and not any(chunks):  # prompts whose context was all cached: nothing to compute this step
+            return []
         # Rows whose method drafts from the target's hidden state (Medusa) need it after every step, drafted or not.
         hidden_rows = [row for row, request in enumerate(rows) if request.method in self._hidden_users]
         out = self.target.forward([r.id for r in rows] + [r.id for r in prefilling], inputs + chunks,
@@ -265,9 +267,8 @@ class BatchingEngine:
                 self.policy.observe(request.id, drafted, accepted)
             last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))
             events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row])))
-            for runner in (self.target, self.draft):  # the KV up to the new length is final: reusable blocks
-                if runner is not None and request.id in runner.cache.lengths:
-                    runner.commit(request.id, request.sequence)
+            for runner in self._runners_of(request):  # the KV up to the new length is final: reusable blocks
+                runner.commit(request.id, request.sequence)
         if hidden_rows:
             index = torch.tensor([last_position[row] for row in hidden_rows], device=hidden.device)
             states = hidden[torch.tensor(hidden_rows, device=hidden.device), index]  # [R, d]
@@ -279,9 +280,12 @@ class BatchingEngine:
         return events
 
     def _roll_back(self, request: SpecRequest, length: int) -> None:
-        for runner in (self.target, self.draft):
-            if runner is not None and request.id in runner.cache.lengths:
-                runner.truncate(request.id, length)
+        for runner in self._runners_of(request):
+            runner.truncate(request.id, length)
+
+    def _runners_of(self, request: SpecRequest) -> list[BatchModelRunner]:
+        """The runners holding a sequence for ``request`` (the draft's only when it drafts with the model)."""
+        return [r for r in (self.target, self.draft) if r is not None and request.id in r.cache.lengths]
 
     def _accept_trees(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list[int]]]:
         """Tree rows one by one (trees differ in shape per row): the greedy longest path, or the lossless walk over
@@ -359,9 +363,8 @@ class BatchingEngine:
 
     def _retire(self) -> None:
         for request in self.scheduler.retire():
-            for runner in (self.target, self.draft):
-                if runner is not None and request.id in runner.cache.lengths:
-                    runner.close(request.id)
+            for runner in self._runners_of(request):
+                runner.close(request.id)
 
 
 def _per_row(chosen: list[int], output: torch.Tensor,

@@ -72,11 +72,6 @@ class BatchModelRunner:
         counts = [len(tokens) for tokens in rows]
         logits_for = counts if logits_for is None else logits_for
         width = max(max(logits_for, default=0), 1)
-        if not sum(counts):  # nothing to append (rows whose prompts are all cached): no forward to run
-            vocab = self.model.get_output_embeddings().weight.shape[0]
-            empty = torch.zeros(len(rows), width, vocab, device=self.device)
-            return (empty, torch.zeros(len(rows), width, self.model.config.get_text_config().hidden_size,
-                                       dtype=self.dtype, device=self.device)) if hidden else empty
         input_ids = torch.tensor([[t for tokens in rows for t in tokens]], dtype=torch.long, device=self.device)
         position_ids, plan = self.cache.prepare(seqs, counts, self.device, self.dtype, trees)
         ends, end = [], 0

@@ -11,13 +11,9 @@ which start no server.
 from __future__ import annotations
 
 import json
-import os
-import queue
 import re
 import signal
 import socket
-import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -28,8 +24,8 @@ import yaml
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
-from tests.conftest import PY, REPO, one_error_line, run_cli, write_config  # noqa: E402
-from tests.triton_helpers import free_port, trtllm_config_dict  # noqa: E402
+from tests.conftest import one_error_line, run_cli, write_config  # noqa: E402
+from tests.triton_helpers import Serve, free_port, trtllm_config_dict  # noqa: E402
 
 MODEL = "tiny-chat"  # the chat engines' config name: the endpoint's one model id
 PROMPT = "def fibonacci(n):"
@@ -47,42 +43,15 @@ def serve_config(source: Path, folder: Path) -> tuple[Path, dict]:
     return path, ports
 
 
-class Serve:
-    """One `serve --openai` subprocess and what it printed."""
-
-    def __init__(self, config: Path, engines: Path):
-        self.config = config
-        self.process = subprocess.Popen(
-            [PY, "-m", "pipeline", "serve", str(config), "--engines-dir", str(engines), "--ready-timeout", "400",
-             "--openai"], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True)
-        self.lines: queue.Queue = queue.Queue()
-        self.output: list[str] = []
-        threading.Thread(target=lambda: [self.lines.put(line) for line in self.process.stdout], daemon=True).start()
-
-    def wait_for(self, prefix: str, timeout: float) -> str | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.process.poll() is not None and self.lines.empty():
-                    return None
-                continue
-            self.output.append(line)
-            if line.startswith(prefix):
-                return line
-        return None
-
-
 @pytest.fixture(scope="module")
 def serving(chat_engines, tmp_path_factory):
     source, engines = chat_engines
     config, ports = serve_config(source, tmp_path_factory.mktemp("serve-openai"))
-    serve = Serve(config, engines)
+    serve = Serve(config, engines, "--openai")
     try:
-        line = serve.wait_for("OpenAI-compatible:", 420)  # model load: ~20 s idle, minutes on a busy 2-core box
-        assert line, "".join(serve.output)
+        # model load: ~20 s idle, minutes on a busy 2-core box
+        line = serve.wait_for(lambda text: text.startswith("OpenAI-compatible:"), 420)
+        assert line, serve.text()
         yield serve, ports
     finally:
         if serve.process.poll() is None:
