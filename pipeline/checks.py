@@ -77,7 +77,8 @@ def resolve_dtypes(config: PipelineConfig, hf_configs: dict[str, dict]) -> dict[
     """The concrete dtype of each role (see pipeline/dtypes.py); ``hf_configs``: each role's config.json."""
     device = "cuda" if config.backend == "trtllm" else torch_device(config.runtime.device)
     return {role: resolve_dtype(getattr(config, role).dtype, checkpoint_dtype(hf_configs[role]), config.backend,
-                                device) for role in hf_configs}
+                                device, int8_weights=config.build.quantization.of(role) == "int8_weight_only")
+            for role in hf_configs}
 
 
 def _with_resolved(config: PipelineConfig, build: BuildSpec, dtypes: dict[str, DtypeChoice]) -> PipelineConfig:
@@ -252,6 +253,7 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
             report.warnings.append(f"{', '.join(torch_only)}: set, but only the torch backend uses it (TensorRT-LLM "
                                    f"sizes its KV cache by build.kv_cache.free_gpu_mem_fraction)")
     else:
+        _check_torch_quantization(config, report)
         trtllm_only = sorted(TRTLLM_ONLY_KV & config.build.kv_cache.model_fields_set)
         if trtllm_only:
             report.warnings.append(f"build.kv_cache.{', '.join(trtllm_only)}: set, but only backend trtllm uses it "
@@ -263,6 +265,25 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
 
 
 TRTLLM_ONLY_KV = {"paged", "free_gpu_mem_fraction"}
+
+
+def _check_torch_quantization(config: PipelineConfig, report: CheckReport) -> None:
+    """What int8 weights cost in exactness, said before anything is built (pipeline/quantize.py)."""
+    for role in config.roles:
+        mode = config.build.quantization.of(role)
+        if mode == "none":
+            continue
+        dtype = report.dtypes[role].dtype
+        what = (f"{role} weights int8 (per-channel scales; {dtype} activations): speculative greedy output equals "
+                f"this quantized target's own target-only output, not the unquantized model's; the build records "
+                f"the logit error against float32 in engine.json") if role == "target" else \
+            (f"draft weights int8 (per-channel scales; {dtype} activations): the output stays the target's, only "
+             f"the acceptance rate can change")
+        report.ok.append(what)
+        if dtype == "float32":
+            report.warnings.append(f"{role}.dtype: float32 with int8 weights multiplies by the dequantized matrix "
+                                   f"(correct, but slower than float32 weights); set {role}.dtype: bfloat16 or "
+                                   f"auto for the int8 kernel")
 
 
 def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:

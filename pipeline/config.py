@@ -191,10 +191,23 @@ class KVCacheSpec(_Section):
         return value
 
 
+TORCH_QUANT_MODES = ("none", "int8_weight_only")  # what pipeline/quantize.py implements
+
+
 class QuantizationSpec(_Section):
+    """Weight quantization. torch implements int8_weight_only (int8 weights, per-channel scales, 16-bit
+    activations; pipeline/quantize.py) for the target and the draft; trtllm every mode, for the target only."""
+
     mode: Literal["none", "fp8", "int8_weight_only", "int4_awq"] = Field(
-        "none", description="Weight quantization of the target (the draft stays in its dtype).")
+        "none", description="Weight quantization of the target. Speculative greedy output equals the QUANTIZED "
+                            "target's own target-only output, not the unquantized model's.")
+    draft_mode: Literal["none", "int8_weight_only"] = Field(
+        "none", description="torch: weight quantization of the draft model (a cheaper draft; the output stays "
+                            "the target's, only the acceptance rate can change).")
     kv_cache: Literal["none", "fp8", "int8"] = Field("none", description="KV-cache quantization.")
+
+    def of(self, role: str) -> str:
+        return self.mode if role == "target" else self.draft_mode
 
 
 class BuildSpec(_Section):
@@ -280,6 +293,20 @@ class PipelineConfig(_Section):
         if self.draft is None and self.speculative.method.needs_draft_model:
             raise ValueError(f"draft: required for speculative.method {self.speculative.method.value!r}; add a draft "
                              f"model (draft: {{model: ...}}) or set speculative.method: ngram")
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_on_backend(self) -> PipelineConfig:
+        quant = self.build.quantization
+        if self.backend == "torch" and quant.mode not in TORCH_QUANT_MODES:
+            raise ValueError(f"build.quantization.mode: {quant.mode!r} needs backend trtllm (TensorRT-LLM's "
+                             f"kernels); the torch backend implements {' and '.join(TORCH_QUANT_MODES)}")
+        if self.backend == "torch" and quant.kv_cache != "none":
+            raise ValueError(f"build.quantization.kv_cache: {quant.kv_cache!r} needs backend trtllm; the torch "
+                             f"backend keeps its KV cache in the model dtype, set kv_cache: none")
+        if self.backend == "trtllm" and quant.draft_mode != "none":
+            raise ValueError(f"build.quantization.draft_mode: {quant.draft_mode!r} is torch-only here (the trtllm "
+                             f"draft engine is built in its dtype); set draft_mode: none or use backend: torch")
         return self
 
     @property

@@ -6,6 +6,8 @@ round differently, so a near tie between the target's two best tokens can flip (
 same). A CPU without native 16-bit matmul also runs bfloat16 several times slower than float32, emulating it. So:
 
   - a dtype the config writes is kept;
+  - int8 weights (torch backend, build.quantization): bfloat16 activations (float16 on a GPU without bfloat16),
+    what aten's int8 kernel is vectorized for; it widens them itself, so no native 16-bit matmul is needed;
   - CPU (torch backend): float32, unless the checkpoint is 16-bit and the CPU has native matmul for that type
     (AVX512-BF16 / AMX-BF16 for bfloat16, AVX512-FP16 / AMX-FP16 for float16);
   - CUDA (torch backend): the checkpoint's own dtype (bfloat16 only where the GPU supports it, else float16);
@@ -64,23 +66,29 @@ def cpu_runs_natively(dtype: str, flags: frozenset[str] | None = None) -> bool:
 
 
 def resolve_dtype(requested: str, stated: str | None, backend: str, device: str,
-                  cpu_native=cpu_runs_natively, cuda_bf16: bool | None = None) -> DtypeChoice:
+                  cpu_native=cpu_runs_natively, cuda_bf16: bool | None = None,
+                  int8_weights: bool = False) -> DtypeChoice:
     """The concrete dtype for one model. ``stated``: the checkpoint's own dtype (None when it states none);
-    ``device``: "cpu" or "cuda" (the torch backend's device; ignored for trtllm)."""
+    ``device``: "cpu" or "cuda" (the torch backend's device; ignored for trtllm); ``int8_weights``: the torch
+    backend quantizes this model's weights to int8 (its activations then run in 16 bits)."""
     if requested != "auto":
         return DtypeChoice(requested, "set in the config")
     own = f"checkpoint {stated}" if stated else "the checkpoint states no dtype"
+    if int8_weights and backend == "torch":
+        # aten's CPU int8 kernel takes 16-bit activations (it widens them in registers, so no native bf16 matmul is
+        # needed); with float32 ones the layers multiply by the dequantized matrix, at a quarter of the speed.
+        if device == "cuda" and not _cuda_has_bf16(cuda_bf16):
+            return DtypeChoice("float16", f"auto: {own}; int8 weights run with 16-bit activations and this GPU has "
+                                          f"no bfloat16: float16 chosen")
+        return DtypeChoice("bfloat16", f"auto: {own}; int8 weights run with bfloat16 activations (aten's int8 "
+                                       f"kernel), bfloat16 chosen")
     if backend == "trtllm":
         if stated in SIXTEEN_BIT:
             return DtypeChoice(stated, f"auto: {own}")
         return DtypeChoice("float16", f"auto: {own}; TensorRT-LLM engines run in 16 bits, float16 chosen")
     if device == "cuda":
         if stated == "bfloat16":
-            if cuda_bf16 is None:
-                import torch
-
-                cuda_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-            if not cuda_bf16:
+            if not _cuda_has_bf16(cuda_bf16):
                 return DtypeChoice("float16", f"auto: {own}, but this GPU has no bfloat16; float16 chosen")
         return DtypeChoice(stated or "float32", f"auto: {own} on CUDA")
     if stated in SIXTEEN_BIT:
@@ -89,6 +97,14 @@ def resolve_dtype(requested: str, stated: str | None, backend: str, device: str,
         return DtypeChoice("float32", f"auto: {own}, but this CPU has no native {stated} matmul (it would be "
                                       f"emulated, slower, and greedy output could change with K); float32 chosen")
     return DtypeChoice("float32", f"auto: {own} on CPU")
+
+
+def _cuda_has_bf16(known: bool | None) -> bool:
+    if known is not None:
+        return known
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
 def torch_device(runtime_device: str) -> str:

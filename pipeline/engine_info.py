@@ -38,6 +38,8 @@ class EngineInfo:
     ngram: dict | None = None  # speculative.ngram at build time
     medusa_choices: list | None = None  # the tree a medusa target verifies (None: another method)
     kv: dict | None = None  # the torch engine's KVSettings fields at build time (None: built before they existed)
+    # torch: the weight quantization applied when the engine loads (pipeline/quantize.py), None or "none": none.
+    quantization: str | None = None
     architecture: str | None = None
     vocab_size: int | None = None
     # Backend-specific facts (trtllm: tp, pp, trtllm_version, gather_generation_logits, KV-cache settings,
@@ -97,7 +99,8 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         "medusa_choices": speculative.medusa.paths()
         if role == "target" and config.has_medusa_heads else None,
         # The torch engine's paged cache and step budget (TensorRT-LLM keeps its KV settings among its own facts).
-        **({"kv": kv_settings(config).__dict__} if backend == "torch" else {}),
+        **({"kv": kv_settings(config).__dict__, "quantization": config.build.quantization.of(role)}
+           if backend == "torch" else {}),
     }
 
 

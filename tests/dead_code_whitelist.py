@@ -16,6 +16,7 @@ _._draft_for_method
 _._known_tree
 _._depth_fits
 _._medusa_heads
+_._quantization_on_backend
 
 # Dataclass fields read through asdict(): results.json's cost terms, a tiny pair's LlamaConfig (pipeline/tinymodels.py).
 context_tokens
@@ -82,3 +83,6 @@ tensorrt_llm_unset
 PREPROCESSING_UNSET
 sampled_tree_accept
 tree_attention_bias
+
+# nn.Module.__repr__ calls it: printing a quantized model shows each int8 layer (pipeline/quantize.py).
+_.extra_repr

@@ -19,6 +19,9 @@ FORBIDDEN = {
     "medusa_heads": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages", "checks", "models",
                      "engine_info", "gguf", "config", "artifacts", "yaml_loader", "distill", "chat", "prompt_files",
                      "speculative", "methods", "errors", "layout", "dtypes", "parity", "tinymodels", "trained_pair"},
+    # int8 layers: model-level tensor code beside draft_vocab; reads only config's list of modes.
+    "quantize": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages", "checks", "models",
+                 "engine_info", "gguf", "distill", "chat", "prompt_files"},
     "executor": {"bench", "triton", "cli", "run_cmd", "stages", "chat", "prompt_files"},
     "backends": {"executor", "bench", "triton", "cli", "run_cmd", "stages"},
     "engine_info": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages"},

@@ -96,6 +96,20 @@ def test_check_says_which_kv_cache_settings_do_nothing_on_torch(tiny_pair, tmp_p
                for w in report.warnings), report.warnings
 
 
+def test_check_says_what_int8_weights_cost_in_exactness(tiny_pair, tmp_path):
+    data = tiny_config_dict(tiny_pair, target={"dtype": "auto"}, draft={"dtype": "auto"},
+                            build={"quantization": {"mode": "int8_weight_only", "draft_mode": "int8_weight_only"}})
+    report = check_pair(load_config(write_config(tmp_path, data)))
+    assert report.dtypes["target"].dtype == report.dtypes["draft"].dtype == "bfloat16"
+    target_line = next(line for line in report.ok if line.startswith("target weights int8"))
+    assert "quantized target's own target-only output, not the unquantized model's" in target_line
+    assert any(line.startswith("draft weights int8") and "acceptance rate" in line for line in report.ok)
+    assert not report.warnings and not report.errors
+    data["target"]["dtype"] = "float32"
+    warned = check_pair(load_config(write_config(tmp_path, data))).warnings
+    assert any(w.startswith("target.dtype: float32 with int8 weights") and "bfloat16" in w for w in warned)
+
+
 def test_check_refuses_too_long_max_seq_len(tiny_pair, tmp_path):
     cfg = write_config(tmp_path, tiny_config_dict(tiny_pair, build={"max_input_len": 100, "max_seq_len": 4096}))
     with pytest.raises(CompatibilityError, match=r"build.max_seq_len: 4096 exceeds target max_position_embeddings"):

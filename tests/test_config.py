@@ -81,6 +81,11 @@ def test_defaults():
     (minimal(serve={"http_port": 70000}), ["serve.http_port", "70000"]),
     (minimal(name="bad name/with slash"), ["name", "bad name/with slash"]),
     (minimal(target={"model": "  "}), ["target.model"]),
+    (minimal(build={"quantization": {"mode": "fp8"}}), ["build.quantization.mode", "'fp8'", "backend trtllm",
+                                                         "int8_weight_only"]),
+    (minimal(build={"quantization": {"kv_cache": "int8"}}), ["build.quantization.kv_cache", "kv_cache: none"]),
+    (minimal(backend="trtllm", build={"quantization": {"draft_mode": "int8_weight_only"}}),
+     ["build.quantization.draft_mode", "draft_mode: none"]),
 ])
 def test_bad_configs_name_field_value_and_fix(data, expected):
     with pytest.raises(ConfigError) as err:

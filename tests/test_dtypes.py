@@ -55,6 +55,15 @@ def test_trtllm_builds_16_bit():
     assert resolve_dtype("auto", None, "trtllm", "cuda").dtype == "float16"
 
 
+@pytest.mark.parametrize("stated", ["float32", "bfloat16", None])
+def test_int8_weights_run_with_16_bit_activations(stated):
+    """aten's CPU int8 kernel takes 16-bit activations, on any CPU (it widens them itself)."""
+    choice = resolve_dtype("auto", stated, "torch", "cpu", cpu_native=_cpu(False), int8_weights=True)
+    assert choice.dtype == "bfloat16" and "int8" in choice.reason
+    assert resolve_dtype("auto", stated, "torch", "cuda", cuda_bf16=False, int8_weights=True).dtype == "float16"
+    assert resolve_dtype("float32", stated, "torch", "cpu", int8_weights=True).dtype == "float32"  # as written
+
+
 def test_a_written_dtype_is_kept():
     choice = resolve_dtype("bfloat16", "float32", "torch", "cpu", cpu_native=_cpu(False))
     assert (choice.dtype, choice.reason) == ("bfloat16", "set in the config")

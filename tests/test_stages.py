@@ -65,6 +65,31 @@ def test_kv_cache_settings_reach_the_engine_and_an_edit_rebuilds(tiny_pair, tmp_
     assert engine.target.cache.pool.max_blocks == 4096 // 16 and not engine.target.cache.pool.reuse
 
 
+def test_quantization_reaches_the_engine_with_its_measured_error(tiny_pair, tmp_path):
+    """int8 weights: engine.json records the mode per role and the build's measured error against float32; the
+    executor quantizes on load (the engine folder keeps full weights); turning it off rebuilds and loads plain."""
+    from pipeline.quantize import Int8WeightOnlyLinear
+
+    engines = tmp_path / "engines"
+    data = tiny_config_dict(tiny_pair, build={"quantization": {"mode": "int8_weight_only"}})
+    config = load_config(write_config(tmp_path, data))
+    run_stages(config, engines, ("convert", "build"))
+    target = json.loads((engines / config.name / "target" / "build" / "engine.json").read_text())
+    draft = json.loads((engines / config.name / "draft" / "build" / "engine.json").read_text())
+    assert (target["quantization"], draft["quantization"]) == ("int8_weight_only", "none")
+    error = target["quantization_error"]
+    assert error["mode"] == "int8_weight_only" and error["weight_bytes_after"] < error["weight_bytes_before"]
+    assert 0 < error["max_abs_logit_error"] < 1 and error["top1_agreement"] >= 0.8 and error["positions"] > 8
+    assert "quantization_error" not in draft
+    executor = SpeculativeExecutor.from_engines(engines / config.name)
+    assert isinstance(executor.target.model.get_output_embeddings(), Int8WeightOnlyLinear)
+    assert not any(isinstance(m, Int8WeightOnlyLinear) for m in executor.draft.model.modules())
+    results = run_stages(load_config(write_config(tmp_path, tiny_config_dict(tiny_pair))), engines, ("build",))
+    assert [r.status for r in results] == ["built", "built"]  # engine.json changed: both rebuilt
+    plain = SpeculativeExecutor.from_engines(engines / config.name)
+    assert not any(isinstance(m, Int8WeightOnlyLinear) for m in plain.target.model.modules())
+
+
 def test_changed_source_weights_invalidate_convert(tiny_pair, tmp_path):
     pair = tmp_path / "pair"
     shutil.copytree(tiny_pair, pair)

@@ -42,7 +42,10 @@ def engine_limits(config: PipelineConfig, role: str) -> dict:
 def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
     heads = [f"copy the Medusa heads {checkpoint_dir / ENGINE_SUBDIR} to {out_dir / ENGINE_SUBDIR}"] \
         if role == "target" and config.has_medusa_heads else []
-    return [f"load {checkpoint_dir} as {getattr(config, role).dtype}", *heads,
+    mode = config.build.quantization.of(role)
+    quantized = [f"measure the {mode} model's logit error against float32 (the engine keeps full weights; the "
+                 f"executor quantizes them on load)"] if mode != "none" else []
+    return [f"load {checkpoint_dir} as {getattr(config, role).dtype}", *heads, *quantized,
             f"write {out_dir}/model.safetensors, tokenizer, {ENGINE_FILE} ({json.dumps(engine_limits(config, role))})"]
 
 
@@ -57,5 +60,29 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
     limits = engine_limits(config, role)
     limits["architecture"] = type(lm).__name__
     limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]
+    mode = config.build.quantization.of(role)
+    if mode != "none":
+        limits["quantization_error"] = quantization_error(checkpoint, lm, mode, load_tokenizer(checkpoint))
     write_engine_info(out_dir, limits)
     return {"engine": limits}
+
+
+# What the build measures a quantized model's error on: ordinary prose and code, as the tokenizer splits them.
+PROBE_TEXT = ("The committee met on Tuesday to review the budget, and after a long discussion it approved the plan "
+              "with two changes. def mean(values):\n    return sum(values) / len(values)\n")
+
+
+def quantization_error(checkpoint: ResolvedModel, lm, mode: str, tokenizer) -> dict:
+    """The engine as it will run (``lm``, quantized with ``mode`` on load) against the checkpoint in float32, on
+    PROBE_TEXT: what the quantization costs, recorded in engine.json (the float32 copy exists only here)."""
+    import copy
+
+    import torch
+
+    from ..quantize import logit_error, quantize_model
+
+    ids = torch.tensor([tokenizer(PROBE_TEXT)["input_ids"][:64]], dtype=torch.long)
+    reference = load_causal_lm(checkpoint, "float32")
+    quantized = copy.deepcopy(lm)
+    weights = quantize_model(quantized, mode)
+    return {**weights.to_dict(), **logit_error(reference, quantized, ids)}

@@ -32,6 +32,11 @@ def add_bench_parsers(sub, common) -> None:
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of every method, interleaved (default 3)")
     p.add_argument("--skip-hf", action="store_true", help="leave out Hugging Face generate() (plain and assisted)")
     p.add_argument("--out", type=Path, default=None, help="results folder (default engines/<name>/bench)")
+    p.add_argument("--llamacpp", type=Path, default=None, metavar="PATH",
+                   help="llama.cpp's llama-bench binary: after our records, run its decode test on GGUFs of the "
+                        "same model with torch's thread count and add its tok/s to the table and results.json")
+    p.add_argument("--llamacpp-gguf", type=Path, action="append", default=[], metavar="FILE",
+                   help="GGUF for --llamacpp; repeatable (default: the GGUF the target was dequantized from)")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser(
@@ -94,8 +99,11 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
     draft = resolve_model(config.draft, "draft", config.base_dir).path if config.draft is not None else None
     executor = SpeculativeExecutor.from_pretrained(target, draft, max_draft_len=k_max, device=device,
                                                    dtype=config.target.dtype,
+                                                   draft_dtype=config.draft.dtype if config.draft else None,
                                                    acceptance=config.speculative.acceptance,
-                                                   method=config.speculative.method)
+                                                   method=config.speculative.method,
+                                                   quantization=config.build.quantization.mode,
+                                                   draft_quantization=config.build.quantization.draft_mode)
     return executor, f"model folders {target.parent}"
 
 
@@ -116,7 +124,7 @@ def cmd_bench(args) -> int:
     from ..config import load_config
     from .plot import plot_results
     from .records import format_table
-    from .memory import memory_bound
+    from .memory import memory_bound, precision
     from .runner import BenchOptions, git_commit, machine_info, run_bench, timestamp
 
     check_range("--max-new-tokens", args.max_new_tokens, 2, fix="latency needs at least two tokens")
@@ -128,6 +136,9 @@ def cmd_bench(args) -> int:
         raise PipelineError("--prompt-set and --prompts: pass one of them (a built-in set, or your own file, whose "
                             "set labels name the sets)")
     config = load_config(args.config)
+    from .llamacpp import plan_from_args  # checked before anything loads: a bad path fails at once
+
+    llamacpp = plan_from_args(args.llamacpp, args.llamacpp_gguf, config)
     if args.prompts is not None:  # read before anything loads: a bad file fails in milliseconds
         from ..prompt_files import encode_items, group_by_set, read_prompt_file
 
@@ -147,9 +158,22 @@ def cmd_bench(args) -> int:
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])  # the code that runs
     records, costs, notes = run_bench(executor, prompt_sets, options)
     bound = memory_bound(executor.target.model, executor.device) if hasattr(executor, "engine") else None
+    weights_label = precision(executor.target.model) if bound is not None else None
     for record in records:  # `set` is the name the prompt-file labels use; `prompt_set` stays for older readers
         record.setdefault("set", record["prompt_set"])
         record["fraction_of_memory_bound"] = round(record["tokens_per_s"] / bound.tok_s, 3) if bound else None
+        if bound is not None:  # each target forward reads the target's weights once, whatever it verifies
+            record.update(precision=weights_label, weight_bytes=bound.weight_bytes,
+                          weight_gbs=round(bound.achieved_gbs(record["tokens_per_s"], record["mean_accepted_len"]), 2))
+    llamacpp_info = llamacpp_summary = None
+    if llamacpp is not None:  # after ours, so the two never compete for the cores
+        import torch
+
+        from .llamacpp import run_llamacpp
+
+        llamacpp_records, llamacpp_info, llamacpp_summary = run_llamacpp(
+            llamacpp, torch.get_num_threads(), args.max_new_tokens, args.repeats, sets)
+        records = records + llamacpp_records
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     results = {
@@ -163,6 +187,8 @@ def cmd_bench(args) -> int:
         "cost_terms": {**costs.to_dict(), **(bound.to_dict() if bound else {})}, "notes": notes,
         "records": records,
     }
+    if llamacpp_info is not None:
+        results["llamacpp"] = llamacpp_info
     tmp = out_dir / "results.json.tmp"
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(out_dir / "results.json")
@@ -174,11 +200,13 @@ def cmd_bench(args) -> int:
           f"ms per token); verify cost K=1..{options.k_max}: "
           + " ".join(f"{v:.2f}" for v in costs.verify_cost_ratio))
     if bound is not None:
-        print(f"memory-bound limit: {bound.tok_s:.1f} tok/s (target weights {bound.weight_bytes / 1e6:.0f} MB read at "
-              f"a measured {bound.bandwidth_gbs:.1f} GB/s); target-only reached "
+        print(f"memory-bound limit: {bound.tok_s:.1f} tok/s (target weights {bound.weight_bytes / 1e6:.0f} MB "
+              f"{weights_label} read at a measured {bound.bandwidth_gbs:.1f} GB/s); target-only reached "
               + ", ".join(f"{r['set']} {r['fraction_of_memory_bound']:.2f}" for r in records if r["method"] == "target"))
     for line in summary_lines(records):
         print(line)
+    if llamacpp_summary is not None:
+        print(llamacpp_summary)
     print(f"wrote {out_dir / 'results.json'} and {plot}")
     return 0
 

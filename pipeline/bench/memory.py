@@ -23,16 +23,22 @@ class MemoryBound:
     weight_bytes: int  # the target's parameters as stored on the device (shared tensors counted once)
     tok_s: float  # bandwidth / weight bytes: one-token steps per second if each only read the weights
 
+    def achieved_gbs(self, tokens_per_s: float, tokens_per_step: float | None) -> float:
+        """Weight bandwidth a run achieved: weight bytes x target forwards per second (tokens / tokens per step)."""
+        return self.weight_bytes * tokens_per_s / (tokens_per_step or 1.0) / 1e9
+
     def to_dict(self) -> dict:
         return {"memory_bandwidth_gbs": round(self.bandwidth_gbs, 2), "target_weight_bytes": self.weight_bytes,
                 "memory_bound_tok_s": round(self.tok_s, 2)}
 
 
 def weight_bytes(model) -> int:
-    """Bytes of a model's parameters as stored (their dtype on their device); parameters() yields a tied embedding
-    once. An untied input embedding is counted too although a step gathers only its rows, so for such models the
-    limit is a little low (conservative)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of a model's weights as stored (int8 layers at their real size; a tied embedding once). An input
+    embedding the LM head does not share is counted too although a step gathers only its rows, so for such models
+    (and int8 ones, whose head is a separate int8 copy) the limit is a little low (conservative)."""
+    from ..quantize import weight_bytes as stored_bytes
+
+    return stored_bytes(model)
 
 
 def read_bandwidth(device: torch.device | str = "cpu", probe_bytes: int = PROBE_BYTES, repeats: int = 5) -> float:
@@ -56,3 +62,14 @@ def memory_bound(model, device: torch.device | str = "cpu") -> MemoryBound:
     nbytes = weight_bytes(model)
     bandwidth = read_bandwidth(device)
     return MemoryBound(bandwidth, nbytes, bandwidth * 1e9 / nbytes)
+
+
+def precision(model) -> str:
+    """The target's weight type as the table's `weights` column shows it: f32, bf16, f16, or int8/bf16 (int8
+    weights, bfloat16 activations)."""
+    from ..quantize import Int8WeightOnlyLinear
+
+    short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+    dtype = next((t.dtype for t in (*model.parameters(), *model.buffers()) if t.is_floating_point()), torch.float32)
+    label = short.get(dtype, str(dtype).removeprefix("torch."))
+    return f"int8/{label}" if any(isinstance(m, Int8WeightOnlyLinear) for m in model.modules()) else label

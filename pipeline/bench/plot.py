@@ -1,5 +1,5 @@
-"""The benchmark plot: speedup and acceptance against K, with target-only, dynamic-K, adaptive-K and Hugging Face
-lines; the title names the memory-bound limit and how close target-only decoding came to it."""
+"""The benchmark plot: speedup and acceptance against K, with target-only, dynamic-K, adaptive-K, Hugging Face and
+llama.cpp lines; the title names the memory-bound limit and how close target-only decoding came to it."""
 
 from __future__ import annotations
 
@@ -44,6 +44,11 @@ def plot_results(records: list[dict], out: Path, title: str) -> Path:
             if r["method"] == "adaptive":
                 ax_speed.axhline(r["speedup_vs_target"], color=colour, linestyle="--", linewidth=2, alpha=0.5,
                                  label=f"{name}: adaptive K, as served (mean {r['mean_draft_len']:.1f})")
+            target = next((t for t in rows if t["method"] == "target"), None)
+            if r["method"] == "llamacpp" and target and target["tokens_per_s"]:
+                # In speedup units: llama.cpp's plain decoding over ours, so every line reads against the same 1.0.
+                ax_speed.axhline(r["tokens_per_s"] / target["tokens_per_s"], color=colour, linestyle="-.",
+                                 linewidth=1.5, label=f"{name}: llama.cpp {r.get('precision')} plain decoding")
             if r["method"] == "hf_target":
                 ax_speed.axhline(r["speedup_vs_target"], color=colour, linestyle=(0, (1, 3)), alpha=0.7,
                                  label=f"{name}: HF target only")

@@ -2,7 +2,7 @@
 
 Record fields (results.json):
   method               target | speculative | dynamic | ngram | ngram+draft | adaptive | hf_target | hf_assisted |
-                       hf_lookup
+                       hf_lookup | llamacpp (llama.cpp's llama-bench on a GGUF, bench --llamacpp: llamacpp.py)
   k                    draft tokens per step (0 = no draft; "auto" for dynamic K, "policy" for adaptive)
   set, prompt_set      the prompt set: a built-in one or a `set` label of a --prompts file (the same value)
   tokens_per_s         median over repeats of (tokens emitted / wall seconds) over all prompts
@@ -20,6 +20,11 @@ Record fields (results.json):
   itl_ms_p50/p90, ttft_ms   latency, as defined in measure.py
   fraction_of_memory_bound  tokens_per_s / the memory-bound limit of one-token steps (memory.py); added by the
                        bench command on the torch runtime, null elsewhere
+  precision, weight_bytes, weight_gbs  the target's weight type (f32, bf16, int8/bf16; a llamacpp record: the
+                       GGUF's), its weight bytes, and the weight bandwidth achieved: bytes x target forwards per
+                       second (tokens_per_s / mean_accepted_len; llamacpp: tokens_per_s) / 1e9. Compare it with
+                       cost_terms.memory_bandwidth_gbs, the machine's measured read bandwidth. Null on trtllm.
+                       (The llamacpp records' speculation and latency fields are null.)
 """
 
 from __future__ import annotations
@@ -111,8 +116,10 @@ def finish_records(records: list[dict]) -> list[dict]:
     return records
 
 
-_COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", "{}"),
-            ("tokens_per_s", "tok/s", "{:.1f}"), ("speedup_vs_target", "speedup", "{:.2f}x"),
+# "weights" tells the rows of different weight types apart (ours: the target's; llama.cpp's: one per GGUF).
+_COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", "{}"), ("precision", "weights", "{}"),
+            ("tokens_per_s", "tok/s", "{:.1f}"), ("weight_gbs", "weight GB/s", "{:.1f}"),
+            ("speedup_vs_target", "speedup", "{:.2f}x"),
             ("acceptance_rate", "accept", "{:.2f}"), ("alpha", "alpha", "{:.2f}"),
             ("mean_accepted_len", "tok/step", "{:.2f}"), ("cost_ratio_c", "c", "{:.2f}"),
             ("verify_cost_ratio", "verify", "{:.2f}"), ("bound_speedup", "bound", "{:.2f}x"),

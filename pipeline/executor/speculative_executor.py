@@ -18,6 +18,7 @@ from ..errors import EngineError
 from ..layout import Layout
 from ..medusa_heads import ENGINE_SUBDIR
 from ..methods import Method, NgramSettings, parse_method
+from ..quantize import quantize_model
 from ..speculative.tree import TokenTree
 from ..speculative.tree_choices import DEFAULT_TREE, tree_paths
 from .base import ExecutorBase
@@ -102,15 +103,17 @@ class SpeculativeExecutor(ExecutorBase):
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                         compile: bool = False, method: str = Method.DRAFT_MODEL,
                         ngram: NgramSettings | None = None, draft_dtype: str | None = None, medusa=None,
-                        medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None) -> SpeculativeExecutor:
+                        medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None, quantization: str = "none",
+                        draft_quantization: str = "none") -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
         ``draft`` may be None with ``method="ngram"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
-        ``medusa_choices``."""
+        ``medusa_choices``; ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
+        linear layers (pipeline/quantize.py; pass dtype bfloat16 for the fast CPU kernel)."""
         from ..checks import compare_tokenizers, max_positions
 
-        target_model, target_tok = _load(target, "target", dtype, trust_remote_code)
-        draft_model, draft_tok = _load(draft, "draft", draft_dtype or dtype, trust_remote_code) \
+        target_model, target_tok = _load(target, "target", dtype, trust_remote_code, quantization)
+        draft_model, draft_tok = _load(draft, "draft", draft_dtype or dtype, trust_remote_code, draft_quantization) \
             if draft is not None else (None, None)
         tokenizer = tokenizer or target_tok or draft_tok
         if target_tok is not None and draft_tok is not None:
@@ -236,16 +239,22 @@ def _load_engine_model(folder: Path, info: EngineInfo):
 
     spec = ModelSpec(model=str(folder), dtype=info.dtype)
     resolved = ResolvedModel(info.role, spec, folder, "local", None)
-    return load_causal_lm(resolved, info.dtype), resolved
+    model = load_causal_lm(resolved, info.dtype)
+    quantize_model(model, info.quantization or "none")  # the engine keeps full weights; int8 is made on load
+    return model, resolved
 
 
-def _load(source, role: str, dtype: str, trust_remote_code: bool):
-    """A model argument may be a loaded model, a folder or a hub id; returns (model, tokenizer or None)."""
+def _load(source, role: str, dtype: str, trust_remote_code: bool, quantization: str = "none"):
+    """A model argument may be a loaded model, a folder or a hub id; returns (model, tokenizer or None). A loaded
+    model is quantized in place."""
     if not isinstance(source, (str, Path)):
+        quantize_model(source, quantization)
         return source.eval(), None
     from ..config import ModelSpec
     from ..models import load_causal_lm, load_tokenizer, resolve_model
 
     spec = ModelSpec(model=str(source), dtype=dtype, trust_remote_code=trust_remote_code)
     resolved = resolve_model(spec, role, Path.cwd())
-    return load_causal_lm(resolved, dtype), load_tokenizer(resolved)
+    model = load_causal_lm(resolved, dtype)
+    quantize_model(model, quantization)
+    return model, load_tokenizer(resolved)

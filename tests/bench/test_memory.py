@@ -23,3 +23,21 @@ def test_memory_bound_counts_tied_weights_once_and_divides_bandwidth_by_them():
                {"method": "ngram", "prompt_set": "code", "tokens_per_s": 20.0, "fraction_of_memory_bound": 0.5}]
     assert memory_bound_note(records) == "\nmemory-bound limit 40 tok/s; target only reached code 0.25 of it"
     assert memory_bound_note([{**records[0], "fraction_of_memory_bound": None}]) == ""
+
+
+def test_int8_weights_count_at_their_size_and_bandwidth_follows_target_forwards():
+    import torch
+
+    from pipeline.bench.memory import MemoryBound, precision, weight_bytes
+    from pipeline.quantize import quantize_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False)).to(torch.bfloat16)
+    assert precision(model) == "bf16" and weight_bytes(model) == 64 * 32 * 2
+    quantize_model(model, "int8_weight_only")
+    assert precision(model) == "int8/bf16"
+    assert weight_bytes(model) == 64 * 32 + 32 * 2  # int8 matrix + one bf16 scale per output channel
+    assert precision(torch.nn.Linear(2, 2)) == "f32"
+    bound = MemoryBound(bandwidth_gbs=20.0, weight_bytes=100_000_000, tok_s=200.0)
+    assert bound.achieved_gbs(50.0, 1.0) == 5.0  # target-only: one forward per token
+    assert bound.achieved_gbs(50.0, 2.5) == 2.0  # speculative: one forward per 2.5 tokens
+    assert bound.achieved_gbs(50.0, None) == 5.0
