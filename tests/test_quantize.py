@@ -92,12 +92,14 @@ def test_weight_bytes_counts_a_tied_matrix_once():
 
 def test_int8_error_against_float32_is_bounded_on_the_tiny_pair(tiny_pair):
     """The cost in exactness, measured as the build measures it: int8 weights with float32 and with bfloat16
-    activations stay close to the float32 model and mostly keep its top-1 token."""
+    activations, and bfloat16 alone, stay close to the float32 model and mostly keep its top-1 token."""
     reference, _, tokenizer = load_tiny_models(tiny_pair)
     ids = torch.tensor([tokenizer("\n".join(PROMPTS))["input_ids"][:64]])
-    for dtype, max_error, agreement in ((torch.float32, 0.5, 0.9), (torch.bfloat16, 0.75, 0.85)):
+    cases = ((torch.float32, "int8_weight_only", 0.5, 0.9), (torch.bfloat16, "int8_weight_only", 0.75, 0.85),
+             (torch.bfloat16, "none", 0.5, 0.9))  # the last: the 16-bit path alone
+    for dtype, mode, max_error, agreement in cases:
         quantized = copy.deepcopy(reference).to(dtype)
-        quantize_model(quantized, "int8_weight_only")
+        quantize_model(quantized, mode)
         error = logit_error(reference, quantized, ids)
         assert 0 < error["max_abs_logit_error"] <= max_error, error
         assert error["top1_agreement"] >= agreement, error
@@ -118,3 +120,24 @@ def test_quantized_pair_is_lossless_against_its_own_target_only_output(tiny_pair
         results = executor.generate(PROMPTS, 24, max_draft_len=k)
         assert [r.token_ids for r in results] == plain, f"K={k}"
         assert sum(r.stats.draft_tokens for r in results) > 0
+
+
+def test_bfloat16_pair_keeps_its_own_greedy_output_up_to_near_ties(tiny_pair):
+    """The 16-bit path without int8: greedy speculative output equals bfloat16 target-only output, except where a
+    verify over K+1 positions rounds a near tie the other way (pipeline/parity.py's rule; a wider flip is a bug)."""
+    from pipeline.parity import divergence
+
+    executor = SpeculativeExecutor.from_pretrained(tiny_pair / "target", tiny_pair / "draft", max_draft_len=4,
+                                                   dtype="bfloat16")
+    model = executor.target.model
+
+    @torch.no_grad()
+    def next_logits(ids):
+        return model(torch.tensor([ids])).logits[0, -1]
+
+    plain = executor.generate(PROMPTS, 24, max_draft_len=0)
+    spec = executor.generate(PROMPTS, 24, max_draft_len=4)
+    assert sum(r.stats.draft_tokens for r in spec) > 0
+    for prompt, a, b in zip(PROMPTS, plain, spec):
+        found = divergence(executor.encode(prompt), a.token_ids, b.token_ids, next_logits)
+        assert found is None or found.near_tie, found.describe()
