@@ -60,9 +60,9 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
     limits = engine_limits(config, role)
     limits["architecture"] = type(lm).__name__
     limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]
-    mode = config.build.quantization.of(role)
-    if mode != "none":
-        limits["quantization_error"] = quantization_error(checkpoint, lm, mode, load_tokenizer(checkpoint))
+    if limits["quantization"] != "none":  # lm is saved: it can be quantized in place for the measurement
+        limits["quantization_error"] = quantization_error(checkpoint, lm, limits["quantization"],
+                                                          load_tokenizer(checkpoint))
     write_engine_info(out_dir, limits)
     return {"engine": limits}
 
@@ -73,16 +73,12 @@ PROBE_TEXT = ("The committee met on Tuesday to review the budget, and after a lo
 
 
 def quantization_error(checkpoint: ResolvedModel, lm, mode: str, tokenizer) -> dict:
-    """The engine as it will run (``lm``, quantized with ``mode`` on load) against the checkpoint in float32, on
-    PROBE_TEXT: what the quantization costs, recorded in engine.json (the float32 copy exists only here)."""
-    import copy
-
+    """The engine as it will run (``lm``, quantized in place with ``mode`` as the executor does on load) against
+    the checkpoint in float32, on PROBE_TEXT: what the quantization costs, recorded in engine.json."""
     import torch
 
     from ..quantize import logit_error, quantize_model
 
     ids = torch.tensor([tokenizer(PROBE_TEXT)["input_ids"][:64]], dtype=torch.long)
-    reference = load_causal_lm(checkpoint, "float32")
-    quantized = copy.deepcopy(lm)
-    weights = quantize_model(quantized, mode)
-    return {**weights.to_dict(), **logit_error(reference, quantized, ids)}
+    weights = quantize_model(lm, mode)
+    return {**weights.to_dict(), **logit_error(load_causal_lm(checkpoint, "float32"), lm, ids)}
