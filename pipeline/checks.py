@@ -261,7 +261,25 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
                                    f"max_tokens)")
     if problem := bind_address_problem(config.serve.bind_address):
         report.errors.append(problem)
+    report.warnings.extend(serve_exposure_warnings(config))
     return report
+
+
+def serve_exposure_warnings(config: PipelineConfig) -> list[str]:
+    """What `serve` on a non-loopback address means for who can call it (the torch backend's fronts)."""
+    s = config.serve
+    if config.backend != "torch" or s.bind_address in ("127.0.0.1", "localhost") or s.bind_address.startswith("127."):
+        return []
+    warnings = []
+    if s.api_key_env is None:
+        warnings.append(f"serve.bind_address: {s.bind_address} without serve.api_key_env: anyone who reaches this "
+                        f"machine can use the models; set serve.api_key_env (a variable holding a key) or bind "
+                        f"127.0.0.1 behind an authenticating proxy")
+    if not s.allowed_hosts:
+        warnings.append(f"serve.bind_address: {s.bind_address} without serve.allowed_hosts: a remote client's "
+                        f"request is refused unless its Host header (the name or address it connects to) is "
+                        f"listed; add the names and addresses clients use to serve.allowed_hosts")
+    return warnings
 
 
 TRTLLM_ONLY_KV = {"paged", "free_gpu_mem_fraction"}

@@ -258,6 +258,30 @@ class ServeSpec(_Section):
                                                               "HTTP endpoint (on bind_address).")
     instances: int = Field(1, ge=1, description="Model instances (Python backend) per model.")
     max_queue_delay_us: int = Field(0, ge=0, description="Dynamic batching delay.")
+    api_key_env: str | None = Field(
+        None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Name of an environment variable holding an API key: when set, the HTTP, gRPC and OpenAI "
+                    "endpoints need `Authorization: Bearer <key>` (health checks excepted). The key itself never "
+                    "goes in the config, on a command line or into tritonserver's environment.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Host header values accepted besides the bind address (and localhost names on loopback), e.g. "
+                    "the DNS name clients use; anything else is refused (DNS rebinding).")
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        description="Browser origins (scheme://host[:port]) allowed to call the HTTP endpoints cross-site (CORS); "
+                    "none by default.")
+    max_connections: int = Field(256, ge=1, description="Concurrent connections per HTTP endpoint; over it, 503.")
+    read_timeout_s: float = Field(30.0, gt=0, description="A connection must deliver a whole request within this "
+                                                          "time, or it is closed.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Server-side deadline of one request (OpenAI and "
+                                                              "the Triton request/response model).")
+    drain_timeout_s: int = Field(15, ge=0, le=600, description="On SIGTERM, how long in-flight requests get to "
+                                                               "finish before they are ended with an error.")
+    prefix_cache_metrics: bool = Field(
+        False, description="Export the prefix-cache counters on the metrics port. Off by default: that port has "
+                           "no authentication, and the counters' growth tells a client whether someone else sent a "
+                           "prompt it guesses.")
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> ServeSpec:

@@ -164,7 +164,8 @@ class Client:
             body["num_draft_tokens"] = job.num_draft_tokens
         if job.top_p is not None:
             body["top_p"] = job.top_p
-        request = urllib.request.Request(self.generate_url, data=json.dumps(body).encode())
+        request = urllib.request.Request(self.generate_url, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 data = json.loads(response.read())

@@ -86,3 +86,8 @@ tree_attention_bias
 
 # nn.Module.__repr__ calls it: printing a quantized model shows each int8 layer (pipeline/quantize.py).
 _.extra_repr
+
+# grpc.GenericRpcHandler.service: gRPC calls it for every incoming call (pipeline/front/grpc_proxy.py).
+_.service
+# uvicorn's RequestResponseCycle reads it (pipeline/front/http_server.py).
+_.disconnected

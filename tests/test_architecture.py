@@ -28,6 +28,9 @@ FORBIDDEN = {
     "config": {"executor", "backends", "bench", "triton", "cli", "run_cmd", "stages", "checks", "models"},
     "checks": {"executor", "bench", "triton", "cli", "run_cmd", "stages"},
     "triton": {"bench", "cli", "run_cmd"},
+    # The HTTP/gRPC fronts (host and key checks, limits, drain) know no model, no config and no server of ours.
+    "front": {"executor", "backends", "models", "stages", "bench", "distill", "run_cmd", "cli", "triton", "openai_api",
+              "config", "checks", "engine_info", "speculative", "methods", "chat", "prompt_files", "artifacts"},
     # The OpenAI endpoint is a proxy in front of Triton: it never loads a model or runs the engine itself.
     "openai_api": {"executor", "backends", "models", "stages", "bench", "distill", "run_cmd", "cli"},
     "stages": {"bench", "triton", "cli", "run_cmd"},

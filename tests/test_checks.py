@@ -218,3 +218,15 @@ def test_set_limits_are_still_checked_against_the_models(pair_512, tmp_path):
         path.write_text(yaml.safe_dump({**data, "build": build}))
         report = check_pair(load_config(path))
         assert any(message in error for error in report.errors), report.errors
+
+
+def test_serving_beyond_loopback_without_a_key_or_host_names_is_warned_about():
+    from pipeline.checks import serve_exposure_warnings
+    from tests.test_config import minimal
+
+    assert serve_exposure_warnings(parse_config(minimal())) == []  # loopback: nothing to say
+    exposed = serve_exposure_warnings(parse_config(minimal(serve={"bind_address": "0.0.0.0"})))
+    assert len(exposed) == 2 and "serve.api_key_env" in exposed[0] and "serve.allowed_hosts" in exposed[1], exposed
+    named = parse_config(minimal(serve={"bind_address": "0.0.0.0", "api_key_env": "KEY",
+                                        "allowed_hosts": ["models.example:8000"]}))
+    assert serve_exposure_warnings(named) == []

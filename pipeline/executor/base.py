@@ -1,14 +1,17 @@
 """The executor contract both backends implement, and everything in it that is not backend-specific.
 
 A backend provides ``_run(requests)``: advance the given requests (one batch) until each finishes, yielding
-``(request, StreamEvent)`` after every target step. Prompt encoding, request checks, K parsing, seeds, stop and
-length handling, statistics and results are shared here, so the torch and the TensorRT-LLM executors cannot drift.
+``(request, StreamEvent)`` after every target step; an event with ``error`` set (a request the engine failed alone)
+raises that error from generate(), run() and generate_stream(), the caller's own calls. Prompt encoding, request
+checks, K parsing, seeds, stop and length handling, statistics and results are shared here, so the torch and the
+TensorRT-LLM executors cannot drift.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from ..errors import short_repr
 from ..methods import Method, parse_method
 from .request import SpecRequest, make_generator
 from .request_values import DraftLen, check_prompt, validate_request
@@ -36,6 +39,17 @@ class ExecutorBase(TokenizerIO):
     def _run(self, requests: list[SpecRequest]) -> Iterator[tuple[SpecRequest, StreamEvent]]:
         raise NotImplementedError
 
+    def token_room(self, prompt_len: int) -> int | None:
+        """The most new tokens a prompt of ``prompt_len`` tokens can have here (None: no limit)."""
+        return self.max_seq_len - prompt_len if self.max_seq_len is not None else None
+
+    def _events(self, requests: list[SpecRequest]) -> Iterator[tuple[SpecRequest, StreamEvent]]:
+        """``_run``'s events; a failed request's error is raised (RequestFailed, its cause chained)."""
+        for request, event in self._run(requests):
+            if event.error is not None:
+                raise event.error from event.error.cause
+            yield request, event
+
     # ---- public API -----------------------------------------------------------------------------------------------
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
@@ -62,7 +76,7 @@ class ExecutorBase(TokenizerIO):
     def run(self, requests: Sequence[SpecRequest]) -> list[GenerationResult]:
         """Run requests made by :meth:`new_request` (each with its own parameters, K, seed and stops) as one batch."""
         requests = list(requests)
-        for _ in self._run(requests):
+        for _ in self._events(requests):
             pass
         return [request.result(self.decode) for request in requests]
 
@@ -73,26 +87,38 @@ class ExecutorBase(TokenizerIO):
         """Yield tokens as each target step accepts them (one event per step)."""
         request = self.new_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
                                    stop_token_ids, method=method)
-        for _, event in self._run([request]):
+        for _, event in self._events([request]):
             yield event
 
     def new_request(self, prompt: Prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                     top_p: float = 1.0, seed: int | None = None, max_draft_len: DraftLen = None,
                     stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
-                    method: str | None = None) -> SpecRequest:
-        """A checked request; raises RequestError naming the value and the fix."""
+                    method: str | None = None, fit_max_tokens: bool = False,
+                    cache_salt: str | None = None) -> SpecRequest:
+        """A checked request; raises RequestError naming the value and the fix.
+
+        ``fit_max_tokens``: lower ``max_new_tokens`` to what fits after this prompt (:meth:`token_room`) instead of
+        refusing it, for callers whose value is a default rather than the user's (a chat sent without max_tokens);
+        a prompt that leaves room for no new token is still refused. ``cache_salt``: share cached prompt prefixes
+        only with requests of the same salt (None: with every request that has none)."""
         method = parse_method(method or self.method, self.has_draft_model, error=RequestError,
                               has_medusa_heads=self.has_medusa_heads)
         values = validate_request(max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
                                   default_k=self.max_draft_len, draft_len_limit=self.draft_len_limit)
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise RequestError(f"cache_salt: {short_repr(cache_salt)} must be a string (or None for no salt)")
         ids = self.encode(prompt)
+        if fit_max_tokens and max_new_tokens > 0:
+            room = self.token_room(len(ids))
+            # At least 1: where not even one token fits, the checks below refuse the request and say why.
+            max_new_tokens = max(1, min(max_new_tokens, room)) if room is not None else max_new_tokens
         check_prompt(ids, max_new_tokens, max_input_len=self.max_input_len, max_seq_len=self.max_seq_len,
                      vocab_size=self.vocab_size)
         eos = frozenset(self.eos_token_ids)
         request = SpecRequest(ids, max_new_tokens, values.sampling, values.draft, make_generator(seed, self.device),
                               seeded=seed is not None, stop_ids=eos | frozenset(int(t) for t in stop_token_ids or ()),
                               eos_ids=eos, decode=self.decode if with_text else None, seed=seed,
-                              method=method)
+                              method=method, cache_salt=cache_salt)
         if max_new_tokens == 0:
             request.finish_reason = "length"
         return request

@@ -18,12 +18,18 @@ Per step, for the running requests (rows) at once:
      Proposers that draft from the target's hidden state get it, at each of their rows' last accepted position.
 Rows differ in length, K, sampling parameters, seed, stop tokens and max_new_tokens; a row's tokens depend only on
 its own request (each has its own generator, and attention runs per row over its own blocks).
+
+A failure is a row's, never the batch's: steps 2-4 change nothing but the rows' KV lengths and random streams, which
+are saved when the step starts; when the batched compute raises they are restored and the rows run one at a time, so
+a row that fails alone finishes with finish_reason "error" (its event carries the exception, its blocks are released)
+and every other row gets exactly the tokens the batched step would have given it. Step 5 runs per row: a row whose
+own bookkeeping raises fails alone too.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -36,7 +42,7 @@ from ..kv_settings import KVSettings
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers
 from .request import SpecRequest
-from .results import RequestError, StreamEvent
+from .results import RequestError, RequestFailed, StreamEvent
 from .scheduler import Scheduler
 from .step_batch import StepBatch
 
@@ -49,6 +55,29 @@ class EngineCounters:
     rows: int = 0  # running requests summed over those steps
     tokens: int = 0  # packed target tokens computed
     prefill_tokens: int = 0  # of those, prompt-chunk tokens
+
+
+@dataclass
+class _Saved:
+    """What steps 2-4 change, as the step found it: per runner and row the KV length (None: not open yet), and each
+    sampled row's random stream."""
+
+    lengths: list[tuple[BatchModelRunner, int, int | None]]
+    generators: list[tuple[torch.Generator, torch.Tensor]]
+
+
+@dataclass
+class _Computed:
+    """Steps 2-4 for some rows, waiting for step 5."""
+
+    batch: StepBatch  # the decoding rows and their proposals
+    prefilling: list[SpecRequest]  # the rows that prefilled a prompt chunk
+    start: float  # when the verify started (its cost is recorded after step 5)
+    packed: int  # target tokens in the forward
+    # row -> (emitted tokens, accepted draft tokens, accepted tree path)
+    outcome: dict[int, tuple[list[int], int, list[int]]] = field(default_factory=dict)
+    hidden_rows: list[int] = field(default_factory=list)  # rows whose proposer reads the target's hidden states
+    hidden: torch.Tensor | None = None  # [rows, width, d] the target's final hidden states, for hidden_rows
 
 
 class BatchingEngine:
@@ -96,6 +125,11 @@ class BatchingEngine:
             raise RequestError(problem)
         self.scheduler.add(request)
 
+    def kv_room(self, prompt_len: int) -> int:
+        """The most new tokens a prompt of ``prompt_len`` tokens can have in this engine's KV pool (running alone);
+        below 1 when not even one fits."""
+        return self.max_blocks * self.kv.block_size - self.spare - prompt_len
+
     def kv_problem(self, request: SpecRequest) -> str | None:
         """Why ``request`` could never run in this engine's KV pool (None: it fits, alone at worst)."""
         need = self._worst_blocks(request)
@@ -130,18 +164,24 @@ class BatchingEngine:
         return self.target.cache.pool.stats
 
     def step(self) -> list[tuple[SpecRequest, StreamEvent]]:
-        """Advance every running request by one target step; returns each decoding one's event."""
+        """Advance every running request by one target step; returns each decoding one's event, and the last event
+        (finish_reason "error", with its exception) of each request the step failed."""
         self._retire()
         for request in self.scheduler.admit(self._fits):
             if len(request.prompt_ids) <= 1:  # nothing to prefill or look up: decoding from this step on
                 self._open(request)
-        rows = self.scheduler.running
+        rows = list(self.scheduler.running)
         if not rows:
             return []
         self.counters.steps += 1
         self.counters.rows += len(rows)
-        decoding = [request for request in rows if not self._prefilling(request)]
-        events = self._verify(self._propose(decoding), [request for request in rows if self._prefilling(request)])
+        saved, plan = self._save(rows), {}
+        try:
+            computed, failed = [self._compute(rows, plan)], []
+        except Exception:  # noqa: BLE001 - whose failure it was shows when each row runs alone
+            self._restore(saved)
+            computed, failed = self._compute_each(rows, plan)
+        events = failed + [event for part in computed if part is not None for event in self._apply(part)]
         self._retire()
         return events
 
@@ -163,9 +203,9 @@ class BatchingEngine:
         """Look the prompt up in the prefix cache when its prefill starts, not when it joins the batch: a request
         that joined beside another still prefilling the same system prompt then finds that prompt's blocks."""
         # The last prompt token stays unseen: it is the first input of the request's first decoding step.
-        self.target.open(request.id, request.prompt_ids)
+        self.target.open(request.id, request.prompt_ids, request.cache_salt)
         if self._needs_draft(request):
-            self.draft.open(request.id, request.prompt_ids)
+            self.draft.open(request.id, request.prompt_ids, request.cache_salt)
 
     def _prefilling(self, request: SpecRequest) -> bool:
         opened = request.id in self.target.cache.lengths
@@ -196,21 +236,23 @@ class BatchingEngine:
         if rows:
             inputs = [r.sequence[self.draft.length(r.id):self.target.length(r.id)] for r in rows]
             self.draft.forward([r.id for r in rows], inputs, logits_for=[0] * len(rows))
-            for request in rows:
-                self.draft.commit(request.id, request.sequence)
 
-    def _propose(self, rows: list[SpecRequest]) -> StepBatch:
-        """Step 2: each row's K (its own, within the batch's cap), then its proposer's tokens."""
+    def _propose(self, rows: list[SpecRequest], plan: dict[int, int], alone: bool = False) -> StepBatch:
+        """Step 2: each row's K (``plan``: request id -> K, decided once per step, so a row run alone after a failed
+        batch drafts what it would have drafted in the batch), then its proposer's tokens."""
         batch = StepBatch(rows)
         proposers = [self.proposers[request.method] for request in rows]
-        cap = None
-        if self.policy is not None:
-            own = [request.draft_len() for request in rows]
-            limits = [proposer.limit(batch, row, own[row]) if own[row] else 0
-                      for row, proposer in enumerate(proposers)]
-            cap = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers],
-                                   [p.verify_width for p in proposers])
-        batch.k = [request.draft_len(cap) for request in rows]
+        if any(request.id not in plan for request in rows):
+            cap = None
+            if self.policy is not None and not alone:  # a batch-wide cap means nothing for one row
+                own = [request.draft_len() for request in rows]
+                limits = [proposer.limit(batch, row, own[row]) if own[row] else 0
+                          for row, proposer in enumerate(proposers)]
+                cap = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers],
+                                       [p.verify_width for p in proposers])
+            for request in rows:
+                plan.setdefault(request.id, request.draft_len(cap))
+        batch.k = [plan[request.id] for request in rows]
         routed: dict[Proposer, list[int]] = {}
         for row, proposer in enumerate(proposers):
             chosen = proposer.route(batch, row) if batch.k[row] > 0 else None
@@ -221,19 +263,21 @@ class BatchingEngine:
         batch.seal(self.vocab_size, self.device)
         return batch
 
-    def _verify(self, batch: StepBatch, prefilling: list[SpecRequest]) -> list[tuple[SpecRequest, StreamEvent]]:
-        """Steps 3-5: one target forward for all rows (prompt chunks included), one accept call per mode, then roll
-        back per row."""
+    def _compute(self, rows: list[SpecRequest], plan: dict[int, int], alone: bool = False) -> _Computed | None:
+        """Steps 2-4: proposals, one target forward for all rows (prompt chunks included), one accept call per mode.
+        Changes only the rows' KV lengths and random streams (see _save); None when there was nothing to compute."""
+        prefilling = [request for request in rows if self._prefilling(request)]
+        batch = self._propose([request for request in rows if request not in prefilling], plan, alone)
         start = time.perf_counter()
-        rows = batch.requests
+        decoding = batch.requests
         inputs = [request.sequence[self.target.length(request.id):] + batch.proposals[row]
-                  for row, request in enumerate(rows)]
+                  for row, request in enumerate(decoding)]
         prefilling, chunks = self._chunks(prefilling, sum(len(ids) for ids in inputs))
-        if not rows and not any(chunks):  # prompts whose context was all cached: nothing to compute this step
-            return []
+        if not decoding and not any(chunks):  # prompts whose context was all cached: nothing to compute this step
+            return None
         # Rows whose method drafts from the target's hidden state (Medusa) need it after every step, drafted or not.
-        hidden_rows = [row for row, request in enumerate(rows) if request.method in self._hidden_users]
-        out = self.target.forward([r.id for r in rows] + [r.id for r in prefilling], inputs + chunks,
+        hidden_rows = [row for row, request in enumerate(decoding) if request.method in self._hidden_users]
+        out = self.target.forward([r.id for r in decoding] + [r.id for r in prefilling], inputs + chunks,
                                   logits_for=[len(ids) for ids in inputs] + [0] * len(chunks),
                                   trees=batch.trees + [None] * len(chunks) if any(batch.trees) else None,
                                   hidden=bool(hidden_rows))
@@ -241,43 +285,103 @@ class BatchingEngine:
         self.counters.tokens += packed
         self.counters.prefill_tokens += sum(map(len, chunks))
         self.step_tokens = (self.step_tokens + [packed])[-64:]
-        for request in prefilling:
-            self.target.commit(request.id, request.sequence)
         self._prefill_draft(prefilling)
-        if not rows:
-            return []
-        logits, hidden = out if hidden_rows else (out, None)
-        logits = logits[:len(rows), :, :self.vocab_size]  # [rows, width, V]
+        computed = _Computed(batch, prefilling, start, packed)
+        if not decoding:
+            return computed
+        logits, computed.hidden = out if hidden_rows else (out, None)
+        logits = logits[:len(decoding), :, :self.vocab_size]  # [rows, width, V]
+        best = logits.max(-1)  # [rows, width]: the greedy tokens, and NaN wherever a row's logits hold one
+        broken = torch.isnan(best.values).any(-1).nonzero().flatten().tolist()
+        if broken:
+            raise FloatingPointError(f"target logits: NaN for request {decoding[broken[0]].id} (the model's output "
+                                     f"for its tokens is not finite)")
         # Row r's logits at padded position first_logit[r] + j judge its draft token j (j = num_draft: the bonus);
         # for a tree row, first_logit[r] + j is node j's (the root's at j = 0).
         batch.first_logit = torch.tensor([len(ids) for ids in inputs]) - batch.num_draft - 1
-        outcome = self._accept_greedy(batch, logits) | self._accept_sampled(batch, logits) | \
+        computed.outcome = self._accept_greedy(batch, best.indices) | self._accept_sampled(batch, logits) | \
             self._accept_trees(batch, logits)
-        events, last_position = [], []
-        for row, request in enumerate(rows):
-            tokens, accepted, path = outcome[row]
-            tree = batch.trees[row]
-            drafted = tree.max_depth if tree is not None else len(batch.proposals[row])
-            base = len(request.prompt_ids) + len(request.generated)
-            if tree is not None:  # the accepted path's KV moves next to the root; the other branches are dropped
-                self.target.keep_path(request.id, base - 1, path)
-            # Step 5: drop the KV of rejected draft tokens; the emitted extra token is fed next step.
-            self._roll_back(request, base + accepted)
-            if self.policy is not None:
-                self.policy.observe(request.id, drafted, accepted)
-            last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))
-            events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row])))
-            for runner in self._runners_of(request):  # the KV up to the new length is final: reusable blocks
-                runner.commit(request.id, request.sequence)
+        computed.hidden_rows = hidden_rows
+        return computed
+
+    def _compute_each(self, rows: list[SpecRequest], plan: dict[int, int]
+                      ) -> tuple[list[_Computed | None], list[tuple[SpecRequest, StreamEvent]]]:
+        """After the batched compute raised (and the step's state was restored): each row alone, so only a row
+        that fails by itself is failed; returns the others' computes and the failed rows' events."""
+        computed, failed = [], []
+        for request in rows:
+            try:
+                computed.append(self._compute([request], plan, alone=True))
+            except Exception as exc:  # noqa: BLE001 - this row's own failure: it fails, its neighbours run on
+                failed.append((request, self._fail(request, exc)))
+        return computed, failed
+
+    def _apply(self, computed: _Computed) -> list[tuple[SpecRequest, StreamEvent]]:
+        """Step 5, row by row: roll back, emit, commit the final KV for reuse; a row whose own step 5 raises fails
+        alone. Then the hidden states go to the proposers that read them."""
+        batch, events, last_position, kept = computed.batch, [], {}, []
+        for request in computed.prefilling:
+            try:
+                self._commit(request)
+            except Exception as exc:  # noqa: BLE001 - this row's own failure
+                events.append((request, self._fail(request, exc)))
+        for row, request in enumerate(batch.requests):
+            try:
+                tokens, accepted, path = computed.outcome[row]
+                tree = batch.trees[row]
+                drafted = tree.max_depth if tree is not None else len(batch.proposals[row])
+                base = len(request.prompt_ids) + len(request.generated)
+                if tree is not None:  # the accepted path's KV moves next to the root; the other branches are dropped
+                    self.target.keep_path(request.id, base - 1, path)
+                # Drop the KV of rejected draft tokens; the emitted extra token is fed next step.
+                self._roll_back(request, base + accepted)
+                if self.policy is not None:
+                    self.policy.observe(request.id, drafted, accepted)
+                last_position[row] = int(batch.first_logit[row]) + (path[-1] if path else accepted)
+                events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row])))
+                self._commit(request)
+                kept.append(row)
+            except Exception as exc:  # noqa: BLE001 - this row's own failure
+                events.append((request, self._fail(request, exc)))
+        hidden_rows = [row for row in computed.hidden_rows if row in kept]
         if hidden_rows:
+            hidden = computed.hidden
             index = torch.tensor([last_position[row] for row in hidden_rows], device=hidden.device)
             states = hidden[torch.tensor(hidden_rows, device=hidden.device), index]  # [R, d]
             for method, proposer in self.proposers.items():
                 if proposer.wants_hidden:
-                    mine = [i for i, row in enumerate(hidden_rows) if rows[row].method == method]
-                    proposer.verified([rows[hidden_rows[i]] for i in mine], states[mine])
-        self._record("target", packed, time.perf_counter() - start)
+                    mine = [i for i, row in enumerate(hidden_rows) if batch.requests[row].method == method]
+                    proposer.verified([batch.requests[hidden_rows[i]] for i in mine], states[mine])
+        if batch.requests:
+            self._record("target", computed.packed, time.perf_counter() - computed.start)
         return events
+
+    def _commit(self, request: SpecRequest) -> None:
+        """The KV up to each runner's length is final: its full blocks become reusable."""
+        for runner in self._runners_of(request):
+            runner.commit(request.id, request.sequence)
+
+    def _fail(self, request: SpecRequest, exc: Exception) -> StreamEvent:
+        """Finish ``request`` alone for ``exc``; its blocks are released when the step retires it."""
+        return request.fail(RequestFailed(f"request {request.id}: the engine failed it ({type(exc).__name__}: {exc}); "
+                                          f"the requests beside it were not affected", exc))
+
+    def _save(self, rows: list[SpecRequest]) -> _Saved:
+        runners = [r for r in (self.target, self.draft) if r is not None]
+        lengths = [(runner, request.id, runner.cache.lengths.get(request.id)) for runner in runners for request in rows]
+        return _Saved(lengths, [(request.generator, request.generator.get_state()) for request in rows
+                                if not request.params.greedy])
+
+    def _restore(self, saved: _Saved) -> None:
+        """Undo steps 2-4 (nothing there commits a block, so every length can go back)."""
+        for runner, seq, length in saved.lengths:
+            if length is None:
+                if seq in runner.cache.lengths:  # opened by this step's prefill
+                    runner.close(seq)
+            else:
+                runner.truncate(seq, length)
+        for generator, state in saved.generators:
+            generator.set_state(state)
 
     def _roll_back(self, request: SpecRequest, length: int) -> None:
         for runner in self._runners_of(request):
@@ -303,8 +407,8 @@ class BatchingEngine:
             else:
                 uniforms = torch.rand(uniforms_needed(tree), generator=request.generator,
                                       device=request.generator.device).to(logits.device)
-                last, final = sampled_tree_accept(tree, tokens, logits_to_probs(judged, request.params)[None],
-                                                  uniforms[None])
+                probs = _checked_probs([request], logits_to_probs(judged, request.params)[None])  # [1, N, V]
+                last, final = sampled_tree_accept(tree, tokens, probs, uniforms[None])
             path = tree.path_to(int(last))
             outcome[row] = ([int(tokens[0, node]) for node in path] + [int(final)], len(path), path)
         return outcome
@@ -315,14 +419,16 @@ class BatchingEngine:
         positions = batch.first_logit[chosen][:, None] + torch.arange(k + 1)[None, :]
         return positions.clamp_max(width - 1)  # past a row's own drafts: padding, never read as its output
 
-    def _accept_greedy(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
-        """All greedy rows through one accept_matching call; drafts padded with -1, which never matches."""
+    def _accept_greedy(self, batch: StepBatch, argmax: torch.Tensor) -> dict[int, tuple[list[int], int, list]]:
+        """All greedy rows through one accept_matching call; drafts padded with -1, which never matches.
+        argmax: [rows, width] the target's greedy token at each position."""
         chosen = [row for row, request in enumerate(batch.requests)
                   if request.params.greedy and batch.trees[row] is None]
         if not chosen:
             return {}
-        argmax = logits.argmax(-1).cpu()  # [rows, width]; one small transfer instead of the logits
-        positions = self._judged_positions(batch, chosen, logits.shape[1])
+        width = argmax.shape[1]
+        argmax = argmax.cpu()  # one small transfer instead of the logits
+        positions = self._judged_positions(batch, chosen, width)
         target_tokens = argmax[chosen].gather(1, positions)  # [g, K+1]
         output, num_accepted = accept_matching(batch.draft_tokens[chosen], target_tokens)
         return _per_row(chosen, output, num_accepted)
@@ -337,8 +443,8 @@ class BatchingEngine:
         k = batch.draft_tokens.shape[1]
         positions = self._judged_positions(batch, chosen, logits.shape[1]).to(logits.device)
         judged = logits[chosen].gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))  # [s, K+1, V]
-        target_probs = torch.stack([logits_to_probs(judged[i], batch.requests[row].params)
-                                    for i, row in enumerate(chosen)])  # [s, K+1, V]
+        target_probs = _checked_probs([batch.requests[row] for row in chosen], torch.stack(
+            [logits_to_probs(judged[i], batch.requests[row].params) for i, row in enumerate(chosen)]))  # [s, K+1, V]
         uniforms = torch.zeros(len(chosen), k + 1, device=logits.device)  # [s, K+1]
         for i, row in enumerate(chosen):
             request = batch.requests[row]
@@ -365,6 +471,21 @@ class BatchingEngine:
         for request in self.scheduler.retire():
             for runner in self._runners_of(request):
                 runner.close(request.id)
+            for proposer in self.proposers.values():
+                proposer.release(request.id)
+
+
+def _checked_probs(requests: list[SpecRequest], probs: torch.Tensor) -> torch.Tensor:
+    """probs: [n, X, V], request i's distributions in probs[i]; raises naming the first request whose
+    distributions are not all finite with positive mass (sampling from them would emit garbage ids)."""
+    mass = probs.sum(-1)  # [n, X]
+    broken = (~(torch.isfinite(mass) & (mass > 0))).any(-1).nonzero().flatten().tolist()
+    if broken:
+        request = requests[broken[0]]
+        raise FloatingPointError(f"sampling: request {request.id}'s target distribution is not finite (temperature "
+                                 f"{request.params.temperature}, top_k {request.params.top_k}, top_p "
+                                 f"{request.params.top_p})")
+    return probs
 
 
 def _per_row(chosen: list[int], output: torch.Tensor,

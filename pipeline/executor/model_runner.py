@@ -100,8 +100,8 @@ class BatchModelRunner:
 
     # ---- per sequence ---------------------------------------------------------------------------------------------
 
-    def open(self, seq, prompt: list[int]) -> int:
-        return self.cache.open(seq, prompt)
+    def open(self, seq, prompt: list[int], cache_salt: str | None = None) -> int:
+        return self.cache.open(seq, prompt, cache_salt)
 
     def truncate(self, seq, length: int) -> None:
         self.cache.truncate(seq, length)

@@ -83,9 +83,10 @@ class PagedKVCache(Cache):
 
     # ---- sequences ----------------------------------------------------------------------------------------------
 
-    def open(self, seq, prompt: list[int]) -> int:
-        """Start a sequence that will hold ``prompt``; returns how many of its leading tokens already have KV."""
-        reused = self.pool.open(seq, prompt)
+    def open(self, seq, prompt: list[int], cache_salt: str | None = None) -> int:
+        """Start a sequence that will hold ``prompt``; returns how many of its leading tokens already have KV (from
+        blocks cached under the same ``cache_salt``)."""
+        reused = self.pool.open(seq, prompt, cache_salt)
         self.lengths[seq] = reused
         return reused
 

@@ -17,7 +17,7 @@ from ..methods import Method
 from ..speculative import SamplingParams
 from .acceptance import PROPOSER_PRIOR, AcceptanceEstimate
 from .request_values import DraftPlan
-from .results import GenerationResult, GenerationStats, StreamEvent
+from .results import GenerationResult, GenerationStats, RequestFailed, StreamEvent
 
 _ids = itertools.count()
 
@@ -57,10 +57,11 @@ class SpecRequest:
     decode: object = None  # callable(list[int]) -> str, or None when no text is wanted per step
     seed: int | None = None  # as given (the generator already holds it; engines that take seeds read it here)
     method: Method = Method.DRAFT_MODEL  # who proposes (ngram+draft: chosen per step)
+    cache_salt: str | None = None  # prefix reuse only among requests with the same salt (None: among unsalted ones)
     id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
     stats: GenerationStats = field(default_factory=GenerationStats)
-    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "error"
     k_now: int = 0  # dynamic K's current value
     # proposer -> this request's acceptance with it (what ngram+draft chooses by)
     _acceptance: dict[Method, AcceptanceEstimate] = field(default_factory=dict)
@@ -131,6 +132,11 @@ class SpecRequest:
         """Finish now (the client went away); the event carries no tokens."""
         self.finish_reason = "cancelled"
         return StreamEvent([], "", True, "cancelled", self.stats)
+
+    def fail(self, error: RequestFailed) -> StreamEvent:
+        """Finish now: the engine failed this request alone; the event carries ``error`` and no tokens."""
+        self.finish_reason = "error"
+        return StreamEvent([], "", True, "error", self.stats, error=error)
 
     def _text_delta(self) -> str:
         if self.decode is None:  # decoding the whole text each step is O(n^2): only streams need it

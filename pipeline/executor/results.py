@@ -11,6 +11,15 @@ class RequestError(PipelineError, ValueError):
     """A request the engine cannot serve (prompt too long, bad sampling value); the runtime stays usable."""
 
 
+class RequestFailed(RuntimeError):
+    """The engine failed this request alone: its own proposal, verify or sampling raised ``cause``. The requests
+    that ran beside it got exactly the tokens they get without it."""
+
+    def __init__(self, message: str, cause: BaseException):
+        super().__init__(message)
+        self.cause = cause
+
+
 class _ItemAccess:
     """Results read as attributes (result.text) or as mapping keys (result["text"])."""
 
@@ -109,7 +118,7 @@ class GenerationResult(_ItemAccess):
     token_ids: list[int]  # generated tokens only (no prompt)
     text: str
     stats: GenerationStats
-    finish_reason: str  # "eos" | "stop" | "length"
+    finish_reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0
 
     def to_dict(self) -> dict:
@@ -126,3 +135,4 @@ class StreamEvent:
     finished: bool
     finish_reason: str | None
     stats: GenerationStats  # running totals for this request
+    error: RequestFailed | None = None  # set on the last event of a request the engine failed (finish_reason "error")

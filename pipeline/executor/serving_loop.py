@@ -3,8 +3,10 @@
 Server threads (Triton's execute, a test's clients) call :meth:`ServingLoop.submit` and :meth:`ServingLoop.cancel`;
 the loop thread alone touches the engine. Between steps it takes in new requests and cancellations and asks each
 running request's ``is_cancelled`` (e.g. Triton's ``response_sender.is_cancelled``), so a client that went away
-frees its slot within one step. Each request's events reach its ``on_event(event)`` callback, on the loop thread;
-an exception inside a step is delivered as the event of every request it hit, and the loop keeps serving.
+frees its slot within one step. Each request's events reach its ``on_event(event)`` callback, on the loop thread.
+A request the engine failed alone (its own proposal, verify or sampling raised) gets that exception as its last
+event and the others never notice; only a step that fails outside every row delivers its exception to every request
+it holds. Either way the loop keeps serving.
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ class ServingLoop:
                 continue
             try:
                 events = self.engine.step()
-            except Exception as exc:  # noqa: BLE001 - a failed step fails its requests, never the server
+            except Exception as exc:  # noqa: BLE001 - the engine isolates rows' failures; this one was no row's
                 self._fail_running(exc)
                 continue
             for request, event in events:
@@ -125,14 +127,18 @@ class ServingLoop:
                 self._cancel(request_id)
 
     def _fail_running(self, exc: Exception) -> None:
+        """The last resort for a step that failed outside every row: each request it holds gets the exception."""
         for request_id, entry in list(self._entries.items()):
             self.engine.cancel(entry.request)
             self._deliver(request_id, exc)
 
     def _deliver(self, request_id: int, event: StreamEvent | BaseException) -> None:
+        """``event`` to the request's callback; a failed request's last event is delivered as its exception."""
         entry = self._entries.get(request_id)
         if entry is None:
             return
+        if isinstance(event, StreamEvent) and event.error is not None:
+            event = event.error
         final = isinstance(event, BaseException) or event.finished
         if final:
             del self._entries[request_id]

@@ -183,6 +183,12 @@ class SpeculativeExecutor(ExecutorBase):
             raise RequestError(problem)
         return request
 
+    def token_room(self, prompt_len: int) -> int | None:
+        """Within max_seq_len and within what the engine's KV pool holds for one request."""
+        room = super().token_room(prompt_len)
+        kv = self.engine.kv_room(prompt_len)
+        return kv if room is None else min(room, kv)
+
     # ---- the contract's backend part ------------------------------------------------------------------------------
 
     def _run(self, requests: list[SpecRequest]) -> Iterator[tuple[SpecRequest, StreamEvent]]:

@@ -25,7 +25,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from ..backends.trtllm_runner import EngineLimits, Sampling, TrtllmRunner
-from ..errors import EngineError
+from ..errors import EngineError, short_repr
 from ..methods import Method, NgramSettings, parse_method
 from ..speculative.ngram import propose_ngram
 from .base import ExecutorBase
@@ -33,6 +33,10 @@ from .proposers import CostRatio, prefer_lookup
 from .request import SpecRequest
 from .request_values import DraftLen
 from .results import RequestError, StreamEvent
+
+# What this loop knows how to run (see _step and _run); any other method is refused by name when the engines are
+# opened and on every request, never run as if it were the draft model.
+IMPLEMENTED = (Method.DRAFT_MODEL, Method.NGRAM, Method.NGRAM_DRAFT, Method.MEDUSA)
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): step seeds of nearby request seeds differ
 
@@ -55,10 +59,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+def check_implemented(method: Method, error) -> None:
+    """Raise ``error`` naming ``method`` when this executor has no loop for it."""
+    if method not in IMPLEMENTED:
+        raise error(f"method: {method.value!r} is not implemented by the TensorRT-LLM executor (it runs "
+                    f"{', '.join(repr(m.value) for m in IMPLEMENTED)}); use one of those, or the torch backend")
+
+
 def engine_method(method: str, has_draft_model: bool, medusa_engine: bool, error) -> Method:
     """The method engines built this way can serve: a Medusa engine (built with speculative_decoding_mode medusa)
     verifies its own heads' tree only, and the other engines take external draft tokens only."""
     chosen = parse_method(method, has_draft_model, error=error, has_medusa_heads=medusa_engine)
+    check_implemented(chosen, error)
     if medusa_engine and chosen != Method.MEDUSA:
         raise error(f"method: {chosen.value!r} feeds the target external draft tokens, but these TensorRT-LLM "
                     f"engines were built for Medusa (speculative_decoding_mode medusa), which drafts with its heads "
@@ -151,9 +163,15 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
     def new_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, max_draft_len: DraftLen = None,
                     stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
-                    method: str | None = None) -> SpecRequest:
+                    method: str | None = None, fit_max_tokens: bool = False,
+                    cache_salt: str | None = None) -> SpecRequest:
+        if cache_salt is not None:
+            raise RequestError(f"cache_salt: {short_repr(cache_salt)}, but TensorRT-LLM's KV block reuse here is "
+                               f"shared by every request and cannot be kept apart per salt; leave cache_salt unset, or "
+                               f"use the torch backend")
         request = super().new_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
-                                      stop_token_ids, with_text, method)
+                                      stop_token_ids, with_text, method, fit_max_tokens)
+        check_implemented(request.method, RequestError)
         if self.has_medusa_heads:
             check_medusa_request(request, self.draft_len_limit)
         return request
@@ -205,12 +223,16 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
 
     def _choose(self, request: SpecRequest, k: int) -> tuple[Method | None, list[int]]:
         """Who drafts this step, and a lookup's tokens (the proposers' rules, for one request)."""
-        lookup = [] if request.method == Method.DRAFT_MODEL else propose_ngram(
-            request.sequence, k, self.ngram.min_match, self.ngram.max_match)
-        if request.method == Method.NGRAM or (lookup and request.method == Method.NGRAM_DRAFT and prefer_lookup(
-                request, len(lookup), k, self.costs.value)):
+        if request.method == Method.DRAFT_MODEL:
+            return Method.DRAFT_MODEL, []
+        lookup = propose_ngram(request.sequence, k, self.ngram.min_match, self.ngram.max_match)
+        if request.method == Method.NGRAM:
             return (Method.NGRAM, lookup) if lookup else (None, [])
-        return Method.DRAFT_MODEL, []
+        if request.method == Method.NGRAM_DRAFT:
+            prefer = lookup and prefer_lookup(request, len(lookup), k, self.costs.value)
+            return (Method.NGRAM, lookup) if prefer else (Method.DRAFT_MODEL, [])
+        raise AssertionError(f"method {request.method.value!r} reached the draft loop; check_implemented lets "
+                             f"through only {[m.value for m in IMPLEMENTED]}")
 
     def _target_only(self, request: SpecRequest, seed: int) -> StreamEvent:
         """K = 0 for the whole request, or a Medusa engine (it drafts and verifies inside): one engine call

@@ -2,9 +2,14 @@
 
 A request is checked (pipeline/openai_api/protocol.py), then run as one Triton request. Errors are OpenAI error
 bodies with a status: 400 for a bad request (the model's own one-line validation errors included), 404 for an
-unknown route or model, 503 when Triton cannot be reached. A streamed request waits for the engine's first step
-before it answers 200, so the model refusing a request is a 400 there too; an error after that is sent in-band as
-an ``{"error": ...}`` event. A client that disconnects cancels its Triton request, streamed or not.
+unknown route or model, 503 when Triton cannot be reached or the server is shutting down, 504 past the request's
+deadline (request_timeout_s). A streamed request waits for the engine's first step before it answers 200, so the
+model refusing a request is a 400 there too; an error after that (Triton gone, the deadline, the server's drain
+deadline) is sent in-band as an ``{"error": ...}`` event followed by ``data: [DONE]``, never a cut connection. A
+client that disconnects, a deadline that passes and a drain that ends all cancel the Triton request.
+
+The app sits behind the front's Guard (pipeline/front/guard.py): Host, Origin, API key and JSON bodies are checked
+before a route runs.
 """
 
 from __future__ import annotations
@@ -16,17 +21,20 @@ import time
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from .errors import ApiError
+from ..front.guard import Guard, GuardSettings
+from ..front.http_server import drain_deadline
+from .errors import ApiError, error_body
 from .generation import Generation
 from .protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
 from .responses import DONE, Reply, model_card, sse, usage
 from .triton_stream import TritonStreamClient
 
 ROUTES = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
+DEFAULT_REQUEST_TIMEOUT_S = 600.0
 
 
 class _ClientGone(Exception):
@@ -44,8 +52,12 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def create_app(served: ServedModel, triton_url: str) -> Starlette:
-    """The app for one served model; ``triton_url`` is tritonserver's gRPC address (host:port)."""
+def create_app(served: ServedModel, triton_url: str, *, guard: GuardSettings,
+               request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S) -> Guard:
+    """The app for one served model behind its guard; ``triton_url`` is tritonserver's gRPC address (host:port),
+    ``request_timeout_s`` the longest one request may run (streamed or not) before it is ended and cancelled."""
+    if not request_timeout_s > 0:
+        raise ValueError(f"request_timeout_s: {request_timeout_s!r} must be > 0 (seconds)")
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -72,21 +84,22 @@ def create_app(served: ServedModel, triton_url: str) -> Starlette:
         return await _generate(request, parse_chat(await _read_json(request, served.max_body_bytes), served))
 
     async def _generate(request: Request, parsed: GenerationRequest) -> Response:
+        ends = Ends(request_timeout_s, drain_deadline(request.scope))
         generation = Generation(request.app.state.triton, parsed)
         reply = Reply.new(parsed.chat, served.name)
         if not parsed.stream:
             try:
-                text = await _unless_disconnected(request, _collect(generation))
+                text = await ends.first(_collect(generation), request.receive)
             finally:
                 await generation.close()
             totals = usage(generation.prompt_tokens, generation.completion_tokens)
             return JSONResponse(reply.completion(text, generation.finish_reason, totals, generation.speculative))
         try:
-            await _unless_disconnected(request, generation.start())
+            await ends.first(generation.start(), request.receive)
         except BaseException:
             await generation.close()
             raise
-        return EventStream(_events(generation, reply, parsed.include_usage), media_type="text/event-stream",
+        return EventStream(_events(generation, reply, parsed.include_usage, ends), media_type="text/event-stream",
                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     routes = [
@@ -97,18 +110,60 @@ def create_app(served: ServedModel, triton_url: str) -> Starlette:
     ]
     handlers = {ApiError: _api_error, HTTPException: _http_error, _ClientGone: _client_gone,
                 Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    return Guard(Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan), guard, error_body)
+
+
+class Ends:
+    """What ends a request besides its own last step: its deadline (request_timeout_s from its start) and the
+    front's drain deadline (``drained``)."""
+
+    def __init__(self, timeout_s: float, drained: asyncio.Event):
+        self.timeout_s = timeout_s
+        self.deadline = asyncio.get_running_loop().time() + timeout_s
+        self.drained = drained
+
+    def error(self) -> ApiError:
+        if self.drained.is_set():
+            return ApiError(503, "server: shutting down, and this request did not finish in the time it was given; "
+                                 "retry it", code="server_shutting_down")
+        return ApiError(504, f"request: not finished within this server's {self.timeout_s:g} s limit "
+                             f"(request_timeout_s); ask for fewer tokens (max_tokens), or split the work",
+                        code="timeout")
+
+    async def first(self, awaitable, receive=None):
+        """The awaitable's result, unless the deadline passes or the drain deadline comes first (ApiError), or,
+        given ``receive``, the client disconnects first (_ClientGone); the awaitable is then cancelled, which
+        cancels its Triton request."""
+        work = asyncio.ensure_future(awaitable)
+        drained = asyncio.ensure_future(self.drained.wait())
+        gone = asyncio.ensure_future(_disconnected(receive)) if receive is not None else None
+        waiting = {work, drained} | ({gone} if gone is not None else set())
+        try:
+            left = self.deadline - asyncio.get_running_loop().time()
+            await asyncio.wait(waiting, timeout=max(0.0, left), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            pending = {task for task in waiting if not task.done()}
+            for task in pending:
+                task.cancel()
+            if pending:  # asyncio.wait, not await: a cancellation of this task itself must still propagate
+                await asyncio.wait(pending)
+        if not work.cancelled():
+            return work.result()
+        if gone is not None and gone.done() and not gone.cancelled():
+            raise _ClientGone
+        raise self.error()
 
 
 async def _collect(generation: Generation) -> str:
     return "".join([piece async for piece in generation.pieces()])
 
 
-async def _events(generation: Generation, reply: Reply, include_usage: bool):
+async def _events(generation: Generation, reply: Reply, include_usage: bool, ends: Ends):
+    pieces = generation.pieces()
     try:
         if reply.chat:  # OpenAI's first chat chunk names the role
             yield sse(reply.chunk(role=True, include_usage=include_usage))
-        async for piece in generation.pieces():
+        while (piece := await ends.first(anext(pieces, None))) is not None:
             yield sse(reply.chunk(piece, include_usage=include_usage))
         yield sse(reply.chunk(finish_reason=generation.finish_reason, include_usage=include_usage,
                               speculative=generation.speculative))
@@ -117,6 +172,7 @@ async def _events(generation: Generation, reply: Reply, include_usage: bool):
     except ApiError as exc:  # the status line has gone out: the error travels in-band, as OpenAI's streams do
         yield sse(exc.body())
     finally:
+        await pieces.aclose()
         await generation.close()
     yield DONE
 
@@ -129,32 +185,23 @@ async def _read_json(request: Request, limit: int) -> object:
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
     try:
-        return json.loads(b"".join(chunks))
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+    except ClientDisconnect:  # an upload abandoned mid-body: nobody is left to answer
+        raise _ClientGone from None
+    try:
+        return json.loads(b"".join(chunks), parse_constant=_not_json)
     except (ValueError, RecursionError) as exc:  # RecursionError: thousands of nested brackets
         raise ApiError(400, f"request body: not valid JSON ({str(exc)[:120]})") from None
 
 
-async def _unless_disconnected(request: Request, awaitable):
-    """The awaitable's result; it is cancelled, and _ClientGone raised, when the client disconnects first."""
-    work = asyncio.ensure_future(awaitable)
-    gone = asyncio.ensure_future(_disconnected(request.receive))
-    try:
-        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for task in (gone, work):
-            if not task.done():
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
-    if work.cancelled():
-        raise _ClientGone
-    return work.result()
+def _not_json(literal: str):
+    # Python's json reads NaN and Infinity; JSON has no such numbers, and no tensor should receive one.
+    raise ValueError(f"{literal} is not a JSON number; send a number")
 
 
 async def _disconnected(receive) -> None:

@@ -25,3 +25,8 @@ class ApiError(Exception):
 def bad_request(param: str, message: str, code: str | None = None) -> ApiError:
     """400 for one field: the message starts with the field's name, as every error of this project does."""
     return ApiError(400, f"{param}: {message}", param=param, code=code)
+
+
+def error_body(status: int, message: str) -> dict:
+    """The OpenAI error body of a refusal made outside the app (the front's guard, its 503s and 408s)."""
+    return ApiError(status, message).body()

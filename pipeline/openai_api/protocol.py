@@ -1,7 +1,9 @@
 """OpenAI request bodies -> the inputs of Triton's speculative models, checked field by field.
 
 The proxy checks what only it can: JSON types (so a value converts to its tensor without wrapping around), the
-integers' ranges for the same reason, the OpenAI fields this server cannot honour, and the prompt's shape. The
+integers' ranges and the floats' finiteness and 32-bit range for the same reason, the OpenAI fields this server
+cannot honour, and the prompt's shape. A request that names no max_tokens asks the model to fit the default into
+its KV pool (``max_tokens_fit``) instead of refusing a prompt that leaves less room. The
 remaining value rules (temperature >= 0, top_p in (0, 1], K within the engine's limit, a prompt within
 max_input_len, message roles, the chat template) stay in one place, the model's own checks
 (pipeline/triton/request_inputs.py), whose one-line errors pass through as 400s.
@@ -10,6 +12,7 @@ max_input_len, message roles, the chat template) stay in one place, the model's 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 
 from ..errors import short_repr
@@ -23,13 +26,14 @@ OPENAI_TEMPERATURE = 1.0  # OpenAI's default: sampling (the Triton models' own d
 MAX_STOP_STRINGS = 4  # OpenAI's limit
 MAX_STOP_CHARS = 1024  # each is matched against the text's tail once per engine step
 INT32_MAX = 2**31 - 1
+FP32_MAX = 3.4028234663852886e38  # the largest finite float32: past it a value would reach the model as inf
 UINT64_LIMIT = 2**64
 
 # Bookkeeping fields that do not change the output: accepted and ignored.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier"})
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
-                    "top_k", "num_draft_tokens"})
+                    "top_k", "num_draft_tokens", "cache_salt"})
 # Fields that change the output and that this server cannot honour: accepted only at their neutral values.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "one choice per request is supported; send n requests instead"),
@@ -69,7 +73,8 @@ class ServedModel:
     @property
     def chat_max_tokens(self) -> int:
         """A chat's default max_tokens: room every accepted prompt leaves (the proxy cannot count a chat's
-        tokens; the template is applied inside the model), capped."""
+        tokens; the template is applied inside the model), capped; sent with max_tokens_fit, so the model lowers
+        it to what its KV pool holds for the prompt."""
         return max(1, min(CHAT_MAX_TOKENS_CAP, self.max_seq_len - self.max_input_len))
 
     @property
@@ -83,7 +88,7 @@ class GenerationRequest:
     """One checked OpenAI request: the Triton inputs and what the proxy itself does (stop strings, streaming)."""
 
     chat: bool
-    inputs: dict[str, object]  # Triton input name -> value: str, list[int], int or float
+    inputs: dict[str, object]  # Triton input name -> value: str, list[int], int, float or bool
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
@@ -117,8 +122,8 @@ def _check_fields(body: object, allowed: frozenset[str], served: ServedModel) ->
         if name in IGNORED:
             continue
         if name not in allowed:
-            raise bad_request(name, "unknown parameter; remove it (the extensions this server adds are top_k and "
-                                    "num_draft_tokens)", code="unknown_parameter")
+            raise bad_request(name, "unknown parameter; remove it (the extensions this server adds are top_k, "
+                                    "num_draft_tokens and cache_salt)", code="unknown_parameter")
         if name in UNSUPPORTED and not _neutral(value, UNSUPPORTED[name][0]):
             raise bad_request(name, f"{short_repr(value, 40)} is not supported: {UNSUPPORTED[name][1]}",
                               code="unsupported_parameter")
@@ -147,25 +152,34 @@ def _integer(body: dict, name: str, rule: str, limit: int = INT32_MAX) -> int | 
 
 def _number(body: dict, name: str) -> float | None:
     value = body.get(name)
-    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(name, f"{short_repr(value, 40)} is not a number")
-    return None if value is None else float(value)
+    # Compared before float(): an integer of hundreds of digits is valid JSON, and float() of it overflows.
+    if not (abs(value) <= FP32_MAX and math.isfinite(value)):
+        raise bad_request(name, f"{short_repr(value, 40)} is not a finite number within the 32-bit float range; "
+                                f"send a plain number such as 0.7")
+    return float(value)
 
 
-def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> int:
+def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> tuple[int, bool]:
+    """(max_tokens, fit): the request's own value, or the default to be fitted to the KV pool (fit True)."""
     rule = f"must be an integer >= 0 and at most {INT32_MAX} (the number of tokens to generate)"
     given = {name: _integer(body, name, rule) for name in names if body.get(name) is not None}
     if len(set(given.values())) > 1:
         raise bad_request(names[0], f"{given[names[0]]} differs from {names[1]} {given[names[1]]}; send one of them")
-    return next(iter(given.values()), default)
+    return next(iter(given.values()), default), not given
 
 
-def _request(body: dict, chat: bool, prompt: dict, max_tokens: int) -> GenerationRequest:
+def _request(body: dict, chat: bool, prompt: dict, max_tokens: tuple[int, bool]) -> GenerationRequest:
     temperature = _number(body, "temperature")
     inputs: dict[str, object] = {
-        **prompt, "max_tokens": max_tokens,
+        **prompt, "max_tokens": max_tokens[0],
         "temperature": OPENAI_TEMPERATURE if temperature is None else temperature,
     }
+    if max_tokens[1]:  # no max_tokens named: the model lowers the default to what its KV pool holds
+        inputs["max_tokens_fit"] = True
     optional = {
         "top_p": _number(body, "top_p"),
         "top_k": _integer(body, "top_k", "must be an integer >= 0 (0 disables it)"),
@@ -173,6 +187,12 @@ def _request(body: dict, chat: bool, prompt: dict, max_tokens: int) -> Generatio
         "num_draft_tokens": _integer(body, "num_draft_tokens", "must be an integer >= 0 (0 = target-only decoding)"),
     }
     inputs.update({name: value for name, value in optional.items() if value is not None})
+    salt = body.get("cache_salt")
+    if salt is not None:  # the model checks its length; requests share cached prefixes only within one salt
+        if not isinstance(salt, str) or not salt:
+            raise bad_request("cache_salt", f"{short_repr(salt, 40)} must be a non-empty string (a random token per "
+                                            f"user or tenant)")
+        inputs["cache_salt"] = salt
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("stream", f"{short_repr(stream, 40)} must be true or false")

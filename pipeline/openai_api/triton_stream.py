@@ -29,7 +29,8 @@ CHANNEL_ARGS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-NUMPY_DTYPES = {"BYTES": np.object_, "STRING": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64}
+NUMPY_DTYPES = {"BYTES": np.object_, "STRING": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64,
+                "BOOL": np.bool_}
 TRITON_DTYPES = {name: "BYTES" if dtype == "STRING" else dtype for name, dtype, _ in INPUTS}
 STAT_FIELDS = ("draft_tokens", "accepted_tokens", "target_steps", "acceptance_rate", "mean_accepted_len")
 # Errors in the stream that mean "the model is not there right now" (loading, reloading after its process died),

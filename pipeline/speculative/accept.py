@@ -30,6 +30,29 @@ def _assemble(draft_tokens: Tensor, num_accepted: Tensor, extra: Tensor) -> Tens
     return output.scatter(1, num_accepted[:, None], extra[:, None])
 
 
+def _check_draft_tokens(draft_tokens: Tensor, vocab: int | None, num_draft: Tensor | None = None) -> Tensor:
+    """Refuse a draft id outside [0, vocab) (only negatives when ``vocab`` is None) that is not padding; returns
+    the padding mask [B, K]. draft_tokens: [B, K] long; num_draft: [B] long or None.
+
+    Padding is what follows a row's real draft tokens: with ``num_draft``, positions >= num_draft[r], whatever they
+    hold; without it, the PAD run that ends the row (a PAD with a real token after it would break the
+    left-aligned output). One check over the batch, so a caller's bug surfaces here instead of as emitted ids."""
+    k = draft_tokens.shape[1]
+    if num_draft is None:
+        padding = (draft_tokens == PAD).flip(1).long().cumprod(1).flip(1).bool()  # [B, K] trailing PAD run
+    else:
+        padding = torch.arange(k, device=draft_tokens.device)[None, :] >= num_draft.to(draft_tokens.device)[:, None]
+    valid = draft_tokens >= 0 if vocab is None else (draft_tokens >= 0) & (draft_tokens < vocab)  # [B, K]
+    bad = ~(valid | padding)  # [B, K]
+    if bool(bad.any()):
+        row, position = (int(i) for i in bad.nonzero()[0])
+        allowed = "a token id >= 0" if vocab is None else f"a token id in [0, {vocab})"
+        raise ValueError(f"draft_tokens[{row}, {position}]: {int(draft_tokens[row, position])} is not {allowed} "
+                         f"nor padding ({PAD} only after the row's real draft tokens); pass the row's draft tokens "
+                         f"left-aligned, {PAD} after them")
+    return padding
+
+
 def _prefix_length(keep: Tensor) -> Tensor:
     """Length of the leading run of True per row. keep: [B, K] bool -> [B] long."""
     return keep.long().cumprod(dim=1).sum(dim=1)
@@ -41,6 +64,7 @@ def accept_matching(draft_tokens: Tensor, target_tokens: Tensor) -> tuple[Tensor
     draft_tokens: [B, K] long; target_tokens: [B, K+1] long, the target's choice at each position given the
     draft prefix before it (argmax for greedy, a sample from the target distribution otherwise: both lossless).
     """
+    _check_draft_tokens(draft_tokens, None)
     k = draft_tokens.shape[1]
     num_accepted = _prefix_length(draft_tokens == target_tokens[:, :k])  # [B]
     extra = target_tokens.gather(1, num_accepted[:, None]).squeeze(1)  # [B]
@@ -52,6 +76,7 @@ def accept_greedy(draft_tokens: Tensor, target_logits: Tensor) -> tuple[Tensor, 
 
     draft_tokens: [B, K] long; target_logits: [B, K+1, V].
     """
+    _check_draft_tokens(draft_tokens, target_logits.shape[-1])
     return accept_matching(draft_tokens, target_logits.argmax(dim=-1))
 
 
@@ -63,7 +88,7 @@ def accept_rejection(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     draft_tokens: [B, K] long, sampled from draft_probs (PAD after a row's ``num_draft``);
     draft_probs:  [B, K, V], the draft distribution each draft token was sampled from;
     target_probs: [B, K+1, V], the target distribution at each draft position plus one (for the bonus token);
-    num_draft:    [B] long, draft tokens per row (default K for every row);
+    num_draft:    [B] long, draft tokens per row (default: each row's tokens before its trailing PAD);
     uniforms:     [B, K+1] in [0, 1): row r's randomness, drawn by the caller from the row's own stream: columns
                   0..num_draft[r]-1 judge its draft tokens, column num_draft[r] draws its recovered or bonus token
                   (default: drawn here from ``generator``). Rows of one batch never share a draw.
@@ -75,13 +100,15 @@ def accept_rejection(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     """
     batch, k = draft_tokens.shape
     device = draft_probs.device
+    draft_tokens = draft_tokens.to(device)
+    num_draft = num_draft.to(device) if num_draft is not None else None
+    drafted = ~_check_draft_tokens(draft_tokens, target_probs.shape[-1], num_draft)  # [B, K]
     if num_draft is None:
-        num_draft = torch.full((batch,), k, dtype=torch.long, device=device)
+        num_draft = drafted.long().sum(dim=1)  # [B]: the draft tokens before each row's trailing PAD
     if uniforms is None:
         uniforms = torch.rand(batch, k + 1, generator=generator, device=device, dtype=draft_probs.dtype)
-    num_draft, uniforms = num_draft.to(device), uniforms.to(device)
-    drafted = torch.arange(k, device=device)[None, :] < num_draft[:, None]  # [B, K]
-    index = draft_tokens.to(device).clamp_min(0).unsqueeze(-1)  # [B, K, 1]; PAD columns are masked by drafted
+    uniforms = uniforms.to(device)
+    index = draft_tokens.masked_fill(~drafted, 0).unsqueeze(-1)  # [B, K, 1]; padding columns are masked by drafted
     draft_p = draft_probs.gather(-1, index).squeeze(-1)  # [B, K]
     target_p = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [B, K]
     # u < target/draft written without the division, so draft_p == 0 (rejected) and draft == target never NaN.
@@ -100,4 +127,4 @@ def accept_rejection(draft_tokens: Tensor, draft_probs: Tensor, target_probs: Te
     # distribution is then the right one to draw from.
     final = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(residual.dtype).tiny), target_at)
     extra = sample_inverse_cdf(final, uniforms[rows, num_draft])  # [B]
-    return _assemble(draft_tokens.to(device), num_accepted, extra), num_accepted
+    return _assemble(draft_tokens, num_accepted, extra), num_accepted

@@ -40,7 +40,13 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     logits = logits.float()
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Any temperature > 0 is valid, however small. With the row's max subtracted first the quotient is never
+    # positive, so it cannot overflow to +inf (which made inf - inf = NaN in the softmax); and a temperature below
+    # float32's smallest normal divides as that normal (a Python 1e-46 would be 0 in float32). For tiny
+    # temperatures every other logit goes to -inf: all mass on the argmax, split evenly on exact ties, which is
+    # the limit distribution as the temperature goes to 0.
+    temperature = max(params.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [..., 1]
@@ -57,7 +63,14 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 
 
 def sample(probs: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """probs: [N, V] -> one token per row [N] (long)."""
+    """probs: [N, V] -> one token per row [N] (long). Raises ValueError for a row that is not a distribution
+    (NaN, inf, negative, or no mass): on a GPU torch.multinomial would stop the whole device with an assert."""
+    mass = probs.sum(-1)  # [N]
+    valid = (probs >= 0).all(-1) & torch.isfinite(mass) & (mass > 0)  # [N]
+    if not bool(valid.all()):
+        row = int((~valid).nonzero()[0, 0])
+        raise ValueError(f"probs: row {row} is not a probability distribution (total {float(mass[row])}, NaN, inf "
+                         f"or negative entries); the logits it came from were not finite")
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from ..errors import BackendUnavailable, PipelineError
+from ..errors import PipelineError
 from ..methods import Method
 
 
@@ -26,14 +26,18 @@ def add_triton_parsers(sub, common) -> None:
     p.add_argument("--log-file", type=Path, default=None,
                    help="server log (default: engines/<name>/triton-server.log)")
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
-                   help="reloads of a model whose process died, per model within 10 minutes, before serve stops "
-                        f"the server and exits 1 (default {DEFAULT_MAX_RESTARTS}; 0: exit at the first death)")
+                   help="restarts of tritonserver after it or one of its model processes died, within 10 minutes, "
+                        f"before serve exits 1 (default {DEFAULT_MAX_RESTARTS}; 0: exit at the first death)")
     p.add_argument("--openai", action="store_true",
                    help="also serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
                         "streaming as server-sent events) in front of the same models, on serve.bind_address "
                         "(torch backend)")
     p.add_argument("--openai-port", type=int, default=None,
                    help="port of the OpenAI-compatible API (default: the config's serve.openai_port, 8080)")
+    p.add_argument("--api-key-file", type=Path, default=None,
+                   help="file (mode 600) whose first line is the API key every endpoint then requires as "
+                        "`Authorization: Bearer <key>`; instead of serve.api_key_env. Never pass a key itself on "
+                        "the command line: every local user can read it there")
     p.set_defaults(func=cmd_serve)
 
 
@@ -57,10 +61,10 @@ def cmd_deploy(args) -> int:
 
 
 # How `serve` treats a Python-backend model process that dies (the kernel's OOM killer, a crash in native code):
-# Triton keeps answering "ready" while every request to that model fails, so serve watches the processes itself,
-# reloads the model through Triton's model-control API, and gives up (stops the server, exits 1) when one model
-# needed more than --max-restarts reloads within RESTART_WINDOW_S: a crash loop is for an operator to look at.
-# tritonserver itself dying of a signal (a crash, the OOM killer) is restarted under the same budget.
+# Triton keeps answering "ready" while every request to that model hangs, and with model control off (no code can be
+# loaded into a running server) the way back is a new tritonserver. So serve watches the processes itself, kills the
+# whole server at once (its clients get an error now instead of waiting forever) and starts it again, and gives up
+# (exits 1) after more than --max-restarts restarts within RESTART_WINDOW_S: a crash loop is for an operator.
 DEFAULT_MAX_RESTARTS = 3
 RESTART_WINDOW_S = 600.0
 WATCH_INTERVAL_S = 1.0
@@ -69,156 +73,137 @@ WATCH_INTERVAL_S = 1.0
 def cmd_serve(args) -> int:
     from ..config import load_config
     from .repository import deploy
-    from .server import Endpoints, TritonServer
 
     config = load_config(args.config)
+    _check_serve_args(args, config)
+    fronts = None
+    if config.backend == "torch":
+        from ..stages import verify_engines
+        from .fronts import Fronts, load_api_key
+
+        verify_engines(config, args.engines_dir)  # damaged or edited engines are refused before Triton loads them
+        openai_port = (args.openai_port or config.serve.openai_port) if args.openai else None
+        # Ports first: one in use fails before anything is deployed or started.
+        fronts = Fronts(config, load_api_key(config, args.api_key_file), openai_port).reserve()
+    try:
+        result = deploy(config, args.engines_dir)
+    except BaseException:
+        if fronts is not None:
+            fronts.close()
+        raise
+    print(f"repository {result.status}: {result.path}")
+    if fronts is None:
+        _print_trtllm_launch(result)
+        return 0
+    log_file = args.log_file or result.path.parent / "triton-server.log"
+    return _serve(fronts, result.path, log_file, args)
+
+
+def _check_serve_args(args, config) -> None:
     if args.openai_port is not None and not args.openai:
         raise PipelineError(f"--openai-port {args.openai_port}: only used with --openai; add --openai or drop it")
-    if args.openai and config.backend == "trtllm":
+    if config.backend == "trtllm" and args.openai:
         raise PipelineError("--openai: not for the trtllm backend: its repository runs in NVIDIA's TensorRT-LLM "
                             "Triton container, not beside this process; there, Triton's own OpenAI-compatible frontend "
                             "serves it (/opt/tritonserver/python/openai/openai_frontend/main.py --model-repository "
                             "<repository> --tokenizer <tokenizer>)")
-    if config.backend == "torch":
-        from ..stages import verify_engines
-
-        verify_engines(config, args.engines_dir)  # damaged or edited engines are refused before Triton loads them
-    openai_socket = _reserve_openai_port(config, args.openai_port) if args.openai else None
-    result = deploy(config, args.engines_dir)
-    print(f"repository {result.status}: {result.path}")
-    if config.backend == "trtllm":
-        print("The trtllm backend is served by the TensorRT-LLM Triton container (needs NVIDIA GPUs and the "
-              "tensorrtllm backend, not available here). Run there:\n"
-              f"  TRTLLM_TRITON_MODELS=<TensorRT-LLM>/triton_backend/all_models/inflight_batcher_llm "
-              f"{result.path / 'launch.sh'}\n"
-              f"  which runs: {result.manifest['launch_command']}")
-        return 0
+    if config.backend == "trtllm" and args.api_key_file is not None:
+        raise PipelineError("--api-key-file: not for the trtllm backend: serve only prints the launch command there; "
+                            "put the TensorRT-LLM container behind a proxy that checks keys")
     s = config.serve
-    endpoints = Endpoints(s.bind_address, s.http_port, s.grpc_port, s.metrics_port)
-    log_file = args.log_file or result.path.parent / "triton-server.log"
-    server = TritonServer(result.path, endpoints, log_path=log_file)
-    openai = None
+    taken = {s.http_port: "serve.http_port", s.grpc_port: "serve.grpc_port", s.metrics_port: "serve.metrics_port"}
+    port = args.openai_port or s.openai_port
+    if args.openai and port in taken:
+        setting = "serve.openai_port" if args.openai_port is None else "--openai-port"
+        raise PipelineError(f"{setting}: {port} is also {taken[port]}; choose another port for the OpenAI endpoint")
+
+
+def _print_trtllm_launch(result) -> None:
+    print("The trtllm backend is served by the TensorRT-LLM Triton container (needs NVIDIA GPUs and the "
+          "tensorrtllm backend, not available here). Run there:\n"
+          f"  TRTLLM_TRITON_MODELS=<TensorRT-LLM>/triton_backend/all_models/inflight_batcher_llm "
+          f"{result.path / 'launch.sh'}\n"
+          f"  which runs: {result.manifest['launch_command']}")
+
+
+def _serve(fronts, repository: Path, log_file: Path, args) -> int:
+    """tritonserver on loopback behind the fronts, until a signal: the first drains (in-flight requests finish
+    within serve.drain_timeout_s, the rest end with an error), a second kills everything at once."""
+    from .server import TritonServer
+
+    s = fronts.config.serve
+    server = TritonServer(repository, fronts.triton_endpoints, log_path=log_file, exit_timeout_s=s.drain_timeout_s,
+                          http_host_check=True)
     signals = 0
 
     def on_signal(signum, frame):
-        # The first Ctrl-C or SIGTERM stops the server gracefully (in-flight requests drain); a second one kills
-        # it and its model processes at once, and serve exits only after they are gone (ports free).
         nonlocal signals
         signals += 1
         if signals == 1:
             raise KeyboardInterrupt
         print("second signal: killing tritonserver and its model processes now", file=sys.stderr, flush=True)
-        if openai is not None:
-            openai.kill()
+        fronts.kill()
         server.kill()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         print(f"starting tritonserver (log {log_file}) ...", flush=True)
         server.start(ready_timeout_s=args.ready_timeout)
-        host = endpoints.client_host()
-        print(f"ready: HTTP http://{host}:{s.http_port}  gRPC {host}:{s.grpc_port}  "
-              f"metrics http://{host}:{s.metrics_port}/metrics", flush=True)
-        print(f"  curl -s http://{host}:{s.http_port}/v2/models/speculative/generate "
+        lines = fronts.start(args.engines_dir)
+        print("ready: " + "  ".join(lines[:3]), flush=True)
+        for line in lines[3:]:
+            print(line, flush=True)
+        key = " -H 'Authorization: Bearer <key>'" if fronts.api_key else ""
+        print(f"  curl -s {lines[0].split()[1]}/v2/models/speculative/generate{key} -H 'Content-Type: application/json' "
               f"-d '{{\"text_input\": \"def fibonacci(n):\", \"max_tokens\": 32}}'", flush=True)
-        if openai_socket is not None:
-            openai = _start_openai(config, args.engines_dir, endpoints, openai_socket)
         print("Ctrl-C or SIGTERM stops it (a second one kills it at once).", flush=True)
         return _supervise(server, args.max_restarts, args.ready_timeout, log_file)
     except KeyboardInterrupt:
-        print("stopping tritonserver ...", flush=True)
-        if openai is not None:
-            openai.stop()
+        print(f"stopping: in-flight requests get {s.drain_timeout_s} s ...", flush=True)
+        fronts.drain(s.drain_timeout_s)  # every client request passes a front: then nothing is in flight
         server.stop()
         return 130 if signals > 1 else 0
     finally:
-        if openai is not None:
-            openai.stop()
-        elif openai_socket is not None:
-            openai_socket.close()
-        server.stop()
+        fronts.kill()
+        fronts.close()
+        server.stop(graceful=False)
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            # Stopping because of a signal: a late one (a supervisor that sends two) must not kill the process
+            # with everything already cleaned up and the exit code about to be returned.
+            signal.signal(sig, handler if not signals else signal.SIG_IGN)
 
 
-def _reserve_openai_port(config, port: int | None):
-    """The OpenAI endpoint's socket, bound before tritonserver starts: a port in use fails before anything runs."""
-    try:
-        from ..openai_api.server import reserve_port
-    except ImportError as exc:
-        raise BackendUnavailable(f"--openai: {exc.name} is not installed; run `pip install -e '.[serve]'` or "
-                                 f"`make setup`") from None
-    s = config.serve
-    setting = "serve.openai_port" if port is None else "--openai-port"
-    port = s.openai_port if port is None else port
-    taken = {s.http_port: "serve.http_port", s.grpc_port: "serve.grpc_port", s.metrics_port: "serve.metrics_port"}
-    if port in taken:
-        raise PipelineError(f"{setting}: {port} is also {taken[port]}; choose another port for the OpenAI endpoint")
-    return reserve_port(s.bind_address, port, setting)
-
-
-def _start_openai(config, engines_dir: Path, endpoints, sock):
-    """The OpenAI-compatible endpoint in front of the running Triton (gRPC); prints its URL and an example."""
-    from ..engine_info import read_engine
-    from ..layout import Layout
-    from ..openai_api.protocol import ServedModel
-    from ..openai_api.server import OpenAIServer
-    from .request_inputs import max_prompt_bytes
-
-    target = read_engine(Layout.for_config(config, engines_dir).root, "target")
-    served = ServedModel(config.name, target.max_seq_len, target.max_input_len, max_prompt_bytes(target.max_input_len))
-    openai = OpenAIServer(served, f"{endpoints.client_host()}:{endpoints.grpc_port}", sock).start()
-    print(f"OpenAI-compatible: {openai.url}  (model {config.name!r}: /models, /completions, /chat/completions)",
-          flush=True)
-    print(f"  curl -s {openai.url}/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{config.name}\", \"prompt\": \"def fibonacci(n):\", \"max_tokens\": 32}}'",
-          flush=True)
-    print(f"  or: OpenAI(base_url=\"{openai.url}\", api_key=\"unused\").completions.create(model=\"{config.name}\", "
-          f"prompt=\"def fibonacci(n):\")", flush=True)
-    return openai
-
-
-def _supervise(server, max_restarts: int, reload_timeout_s: float, log_file: Path) -> int:
-    """Wait for the server to exit; reload a model whose Python-backend process died, within the budget."""
+def _supervise(server, max_restarts: int, ready_timeout_s: float, log_file: Path) -> int:
+    """Wait for the server to exit; restart it when it or one of its model processes died, within the budget."""
     from . import procfs
 
-    restarts: dict[str, list[float]] = {}  # model name (or "tritonserver") -> when it was restarted
-
-    def within_budget(what: str, cause: str) -> bool:
-        now = time.monotonic()
-        recent = [t for t in restarts.get(what, []) if now - t < RESTART_WINDOW_S]
-        window = f"{RESTART_WINDOW_S / 60:.0f} min"
-        if len(recent) >= max_restarts:
-            print(f"error: {what}: {cause}, and it was already restarted {len(recent)} time(s) in the last {window} "
-                  f"(--max-restarts {max_restarts}); stopping tritonserver, not ready. See {log_file} and the "
-                  f"kernel log (out of memory?)", file=sys.stderr, flush=True)
-            return False
-        restarts[what] = [*recent, now]
-        print(f"warning: {what}: {cause}; restarting it (restart {len(recent) + 1} of at most {max_restarts} in "
-              f"{window})", file=sys.stderr, flush=True)
-        return True
-
-    known = {stub.pid: stub for stub in procfs.stubs(server.pid)}
+    restarts: list[float] = []
+    known = procfs.stubs(server.pid)
     while True:
         code = server.wait(WATCH_INTERVAL_S)
         if code is not None and code >= 0:  # it stopped by itself: a configuration problem, not a crash
             print(f"tritonserver exited with code {code}; log {log_file}", file=sys.stderr)
             return 1 if code else 0
         if code is not None:  # killed by a signal: a crash (Triton 2.51 segfaults on JSON bodies over ~4 MB)
-            if not within_budget("tritonserver", f"died of signal {-code}"):
-                return 1
-            server.stop()
-            server.start(ready_timeout_s=reload_timeout_s)
-            print("tritonserver restarted", file=sys.stderr, flush=True)
-            known = {stub.pid: stub for stub in procfs.stubs(server.pid)}
-            continue
-        dead = [stub for pid, stub in known.items() if not procfs.alive(pid)]
-        for model in sorted({stub.model for stub in dead}):
-            pids = ", ".join(str(stub.pid) for stub in dead if stub.model == model)
-            if not within_budget(f"model {model}", f"its Python-backend process {pids} died (killed, or out of "
-                                                   f"memory?)"):
-                return 1
-            server.reload_model(model, reload_timeout_s)
-            print(f"model {model} reloaded", file=sys.stderr, flush=True)
-        if dead:
-            known = {stub.pid: stub for stub in procfs.stubs(server.pid)}
+            cause = f"tritonserver died of signal {-code}"
+        else:
+            dead = [stub for stub in known if not procfs.alive(stub.pid)]
+            if not dead:
+                continue
+            cause = ", ".join(f"the Python-backend process {stub.pid} of model {stub.model}" for stub in dead) + \
+                " died (killed, or out of memory?)"
+        now = time.monotonic()
+        restarts = [t for t in restarts if now - t < RESTART_WINDOW_S]
+        window = f"{RESTART_WINDOW_S / 60:.0f} min"
+        server.stop(graceful=False)  # in-flight requests fail now: the dead process would never answer them
+        if len(restarts) >= max_restarts:
+            print(f"error: {cause}, and tritonserver was already restarted {len(restarts)} time(s) in the last "
+                  f"{window} (--max-restarts {max_restarts}); stopped, not ready. See {log_file} and the kernel log "
+                  f"(out of memory?)", file=sys.stderr, flush=True)
+            return 1
+        restarts.append(now)
+        print(f"warning: {cause}; restarting tritonserver (restart {len(restarts)} of at most {max_restarts} in "
+              f"{window})", file=sys.stderr, flush=True)
+        server.start(ready_timeout_s=ready_timeout_s)
+        print("tritonserver restarted", file=sys.stderr, flush=True)
+        known = procfs.stubs(server.pid)

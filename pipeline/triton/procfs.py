@@ -57,6 +57,23 @@ def stubs(server_pid: int) -> list[Stub]:
     return found
 
 
+def running_from(folder: Path) -> list[int]:
+    """Live processes of this user whose program lies in ``folder`` (a stub linked from a scratch folder)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid != os.getuid():
+                continue
+            program = (entry / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        except OSError:
+            continue
+        if program and Path(program).is_relative_to(folder) and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
 def _socket_inodes(pid: int) -> set[str]:
     inodes = set()
     try:

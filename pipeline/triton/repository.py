@@ -84,6 +84,7 @@ def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
 def _repository_settings(config: PipelineConfig) -> dict:
     """The config as the repository depends on it: where the server listens is a serve-time choice."""
     data = config.resolved()
-    for key in ("bind_address", "http_port", "grpc_port", "metrics_port"):
-        data["serve"].pop(key)
+    for key in ("bind_address", "http_port", "grpc_port", "metrics_port", "openai_port", "api_key_env",
+                "allowed_hosts", "allowed_origins", "max_connections", "read_timeout_s", "drain_timeout_s"):
+        data["serve"].pop(key, None)
     return data

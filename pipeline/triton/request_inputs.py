@@ -30,6 +30,7 @@ from ..executor.results import RequestError
 MAX_BYTES_PER_TOKEN = 32
 # The limit when the caller does not pass max_input_len: 32 bytes x 32768 tokens (1 MiB, about 2 s to tokenize).
 FALLBACK_MAX_INPUT_LEN = 32768
+MAX_CACHE_SALT_BYTES = 256
 # Triton's input names for the request values (the executor's names are the keys).
 TRITON_NAMES = {"max_new_tokens": "max_tokens", "max_draft_len": "num_draft_tokens"}
 
@@ -47,10 +48,13 @@ class GenerateArgs:
     seed: int | None = None
     max_draft_len: int | None = None  # None = the engine's K
     messages: list[Message] | None = None  # the ``messages`` input, checked but not yet encoded
+    fit_max_tokens: bool = False  # lower max_new_tokens to what the KV pool holds instead of refusing
+    cache_salt: str | None = None  # prefix blocks are shared only between requests of the same salt
 
     def executor_kwargs(self) -> dict:
         return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
-                    top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len)
+                    top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len,
+                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt)
 
     def executor_prompt(self, tokenizer, source: str | None = None) -> tuple[str | list[int], list[int]]:
         """(prompt, extra stop ids) for ``executor.new_request``: a chat is encoded through the tokenizer's chat
@@ -161,5 +165,22 @@ def parse_request(get: GetInput, draft_len_limit: int, max_input_len: int | None
         if max_tokens < -1:  # Triton's JSON parser keeps only the low 32 bits of a number above INT32's range
             raise RequestError(f"{exc}; a JSON value above {MAX_NEW_TOKENS} arrives wrapped around") from None
         raise
+    fit = _one(get, "max_tokens_fit", "b")
     return GenerateArgs(prompt, int(max_tokens), temperature, top_k, top_p,
-                        None if seed is None else int(seed), None if k is None else int(k), messages)
+                        None if seed is None else int(seed), None if k is None else int(k), messages,
+                        fit_max_tokens=bool(fit), cache_salt=_cache_salt(get))
+
+
+def _cache_salt(get: GetInput) -> str | None:
+    value = get("cache_salt")
+    if value is None:
+        return None
+    raw = np.asarray(value)
+    if raw.size != 1:
+        raise RequestError(f"cache_salt: expected one string per request, got shape {list(raw.shape)}")
+    salt = raw.reshape(-1)[0]
+    salt = salt if isinstance(salt, bytes) else str(salt).encode("utf-8", "surrogatepass")
+    if not 0 < len(salt) <= MAX_CACHE_SALT_BYTES:
+        raise RequestError(f"cache_salt: {len(salt)} bytes; send 1 to {MAX_CACHE_SALT_BYTES} bytes (a random token "
+                           f"per user or tenant), or leave it out")
+    return salt.decode("utf-8", "replace")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import signal
 import socket
@@ -34,26 +33,38 @@ class ServerError(PipelineError):
 
 @dataclass(frozen=True)
 class Endpoints:
+    """Where tritonserver listens: every listener on ``host``, unless ``http_host`` / ``grpc_host`` name another
+    address for that one (serve keeps Triton's HTTP on loopback behind its own HTTP front)."""
+
     host: str
     http_port: int
     grpc_port: int
     metrics_port: int
+    http_host: str = ""
+    grpc_host: str = ""
 
     @property
     def http(self) -> str:
-        return f"{self.host}:{self.http_port}"
+        return f"{_client_host(self.http_host or self.host)}:{self.http_port}"
 
     @property
     def grpc(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
+        return f"{_client_host(self.grpc_host or self.host)}:{self.grpc_port}"
 
     @property
     def metrics_url(self) -> str:
-        return f"http://{self.host}:{self.metrics_port}/metrics"
+        return f"http://{_client_host(self.host)}:{self.metrics_port}/metrics"
 
-    def client_host(self) -> str:
-        """Where a local client connects: a wildcard bind address is reached through loopback."""
-        return "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+    def listeners(self) -> list[tuple[str, str, int]]:
+        """(setting, address, port) of each listener."""
+        return [("http_port", self.http_host or self.host, self.http_port),
+                ("grpc_port", self.grpc_host or self.host, self.grpc_port),
+                ("metrics_port", self.host, self.metrics_port)]
+
+
+def _client_host(host: str) -> str:
+    """Where a local client connects: a wildcard bind address is reached through loopback."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else f"[{host}]" if ":" in host else host
 
 
 @dataclass(frozen=True)
@@ -84,21 +95,37 @@ class TritonDist:
         return dist
 
 
-# Credentials the server and its model processes never need (engines are local files): a model process that
-# could read them would hand them to anything that runs inside it.
-SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_API_TOKEN", "HUGGINGFACE_TOKEN")
-SECRET_ENV_SUFFIXES = ("_TOKEN", "_SECRET", "_PASSWORD", "_API_KEY", "_SECRET_ACCESS_KEY")
+# What tritonserver and its model processes inherit of this process's environment: an allow-list, because a
+# model process that could read a credential (HF_TOKEN, a cloud key, the API key serve checks) would hand it to
+# anything that runs inside it, and credentials are named too freely for a deny-list to catch them.
+ENV_ALLOWED = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TERM",
+                         "LD_LIBRARY_PATH", "PYTHONPATH", "PYTHONHASHSEED", "PYTHONUNBUFFERED", "VIRTUAL_ENV",
+                         "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE",
+                         "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+                         "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "OMP_NUM_THREADS",
+                         "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME"})
+ENV_ALLOWED_PREFIXES = ("LC_", "TORCHINDUCTOR_", "TORCH_", "PYTORCH_", "XDG_")
 # Triton APIs that change the server rather than query or use it: log levels and files, tracing, shared-memory
-# registration (a client could map host memory regions), loading and unloading models. Restricted to a header
-# whose value is a random key only this process knows (it needs model-repository itself, to reload models).
+# registration (a client could have Triton read or write a region of another process), the model repository
+# (loading a model is running its code). They are refused to every client: the key Triton checks is a header name
+# holding a colon, which neither an HTTP/1.1 request (the name ends at the first colon) nor gRPC metadata (names
+# with a colon are reserved pseudo-headers) can carry. Triton takes its restriction keys only on its command line,
+# where every local user can read them, so a key anyone could send would be a key everyone has. serve itself needs
+# none of these APIs: the repository loads once at start (model control off) and a model process that dies is
+# recovered by restarting tritonserver.
 RESTRICTED_APIS = "shared-memory,model-repository,trace,logging"
-ADMIN_HEADER = "specpipe-admin-key"
+UNSENDABLE_HEADER = "specpipe:closed"
+# The APIs a client of the internal HTTP port uses; that port answers only requests whose Host header names it
+# exactly, as serve's HTTP front sends them, so a web page that rebinds a name of its own to 127.0.0.1 is refused.
+HOST_CHECKED_APIS = "health,metadata,inference,model-config,statistics"
+# What Triton 2.51 logs after SIGTERM once every model is idle (server.cc, before it unloads them).
+DRAINED_LOG_LINE = "All models are stopped, unloading models"
 SCRATCH_PREFIX = "specpipe-triton-"  # + "<pid of the serve process>-" + random
 
 
 def server_env(dist: TritonDist, base: dict[str, str] | None = None) -> dict[str, str]:
     env = {key: value for key, value in (os.environ if base is None else base).items()
-           if key not in SECRET_ENV and not key.upper().endswith(SECRET_ENV_SUFFIXES)}
+           if key in ENV_ALLOWED or key.startswith(ENV_ALLOWED_PREFIXES)}
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, str(dist.libs), env.get("LD_LIBRARY_PATH", ""))
                                              if p)
@@ -106,6 +133,13 @@ def server_env(dist: TritonDist, base: dict[str, str] | None = None) -> dict[str
     # The stub imports `pipeline`; model.py also adds pipeline_root itself, this covers tokenizer subprocesses.
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
+
+
+def _start_server_process() -> None:
+    """In the forked child before exec: files and shared memory it creates are its user's alone (the Python
+    backend's shared-memory regions carry every request's tensors), and it dies with serve."""
+    os.umask(0o077)
+    _die_with_parent()
 
 
 def _die_with_parent() -> None:
@@ -118,27 +152,31 @@ def _die_with_parent() -> None:
 
 
 def sweep_dead_scratch(folder: Path | None = None) -> None:
-    """Delete scratch folders of servers whose owning process is gone (a `serve` killed with SIGKILL)."""
+    """Delete scratch folders of servers whose owning process is gone (a `serve` killed with SIGKILL), and kill
+    model processes still running from one: a tritonserver that got its parent-death SIGTERM while a model process
+    was stuck exits without it, and the orphan would hold its memory (and its model's shared memory) for good."""
     from ..artifacts import pid_alive
+    from . import procfs
 
     for leftover in Path(folder or tempfile.gettempdir()).glob(f"{SCRATCH_PREFIX}*-*"):
         pid = leftover.name[len(SCRATCH_PREFIX):].split("-", 1)[0]
         if pid.isdigit() and not pid_alive(int(pid)):
+            for orphan in procfs.running_from(leftover):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(orphan, signal.SIGKILL)
             shutil.rmtree(leftover, ignore_errors=True)
 
 
 def ports_in_use(endpoints: Endpoints) -> list[str]:
     """The configured ports something already listens on, as "serve.<field>: <port>" (empty: all free)."""
     taken = []
-    family = socket.AF_INET6 if ":" in endpoints.host else socket.AF_INET
-    for name, port in (("http_port", endpoints.http_port), ("grpc_port", endpoints.grpc_port),
-                       ("metrics_port", endpoints.metrics_port)):
-        with socket.socket(family, socket.SOCK_STREAM) as probe:
+    for name, host, port in endpoints.listeners():
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers do not count
             try:
-                probe.bind((endpoints.host, port))
+                probe.bind((host, port))
             except OSError:
-                taken.append(f"serve.{name}: {port}")
+                taken.append(f"serve.{name}: {port} on {host}")
     return taken
 
 
@@ -146,17 +184,18 @@ def ports_in_use(endpoints: Endpoints) -> list[str]:
 class TritonServer:
     """One tritonserver process; use as a context manager or call start()/stop().
 
-    Models load explicitly (every model of the repository at start), so reload_model() can restart one whose
-    Python-backend process died; the admin APIs need a per-server random key (see RESTRICTED_APIS).
+    Every model of the repository loads at start and nothing loads after (model control off); the admin APIs are
+    closed to every client (see RESTRICTED_APIS). ``http_host_check``: the HTTP port answers only requests whose
+    Host header is exactly ``endpoints.http`` (serve's HTTP front in front of it sends that).
     """
 
     repository: Path
     endpoints: Endpoints
     log_path: Path | None = None  # None: a file in the backend scratch folder
     exit_timeout_s: int = 15
+    http_host_check: bool = False
     _process: subprocess.Popen | None = field(default=None, init=False, repr=False)
     _scratch: Path | None = field(default=None, init=False, repr=False)
-    _admin_key: str = field(default_factory=lambda: secrets.token_urlsafe(24), init=False, repr=False)
     _shm_regions: set[str] = field(default_factory=set, init=False, repr=False)
 
     @property
@@ -169,18 +208,18 @@ class TritonServer:
 
     def argv(self, backend_dir: Path) -> list[str]:
         e = self.endpoints
-        restricted = f"{RESTRICTED_APIS}:{ADMIN_HEADER}={self._admin_key}"
+        closed = f"{RESTRICTED_APIS}:{UNSENDABLE_HEADER}=refused"
+        host_checked = [f"--http-restricted-api={HOST_CHECKED_APIS}:host={e.http}"] if self.http_host_check else []
         return [
             str(TritonDist.find().binary), f"--model-repository={self.repository}",
             f"--backend-directory={backend_dir}",
-            f"--http-address={e.host}", f"--http-port={e.http_port}",
-            f"--grpc-address={e.host}", f"--grpc-port={e.grpc_port}",
+            f"--http-address={e.http_host or e.host}", f"--http-port={e.http_port}",
+            f"--grpc-address={e.grpc_host or e.host}", f"--grpc-port={e.grpc_port}",
             f"--metrics-address={e.host}", f"--metrics-port={e.metrics_port}",
             "--allow-metrics=true", "--allow-gpu-metrics=false",
             "--disable-auto-complete-config", "--strict-readiness=true", "--exit-on-error=true",
-            f"--exit-timeout-secs={self.exit_timeout_s}", "--log-verbose=0",
-            "--model-control-mode=explicit", *(f"--load-model={name}" for name in self.models),
-            f"--http-restricted-api={restricted}", f"--grpc-restricted-protocol={restricted}",
+            f"--exit-timeout-secs={self.exit_timeout_s}", "--log-verbose=0", "--model-control-mode=none",
+            f"--http-restricted-api={closed}", f"--grpc-restricted-protocol={closed}", *host_checked,
         ]
 
     def _backend_dir(self, dist: TritonDist, scratch: Path) -> Path:
@@ -195,13 +234,13 @@ class TritonServer:
     def start(self, ready_timeout_s: float = 180.0) -> TritonServer:
         if self._process is not None:
             raise ServerError("tritonserver already started by this object; stop() it first")
-        if problem := bind_address_problem(self.endpoints.host):
-            raise ServerError(problem)
+        for _, host, _ in self.endpoints.listeners():
+            if problem := bind_address_problem(host):
+                raise ServerError(problem)
         taken = ports_in_use(self.endpoints)
         if taken:
-            raise ServerError(f"{', '.join(taken)} on {self.endpoints.host} is in use (another server, or a second "
-                              f"`serve` of this config?); stop it or choose free ports in the config's serve "
-                              f"section")
+            raise ServerError(f"{', '.join(taken)} is in use (another server, or a second `serve` of this config?); "
+                              f"stop it or choose free ports in the config's serve section")
         dist = TritonDist.find()
         sweep_dead_scratch()
         self._scratch = Path(tempfile.mkdtemp(prefix=f"{SCRATCH_PREFIX}{os.getpid()}-"))
@@ -211,7 +250,7 @@ class TritonServer:
         with open(self.log_path, "ab") as log:
             self._process = subprocess.Popen(self.argv(backend_dir), env=server_env(dist), stdout=log,
                                              stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             start_new_session=True, preexec_fn=_die_with_parent)
+                                             start_new_session=True, preexec_fn=_start_server_process)
         try:
             self.wait_ready(ready_timeout_s)
         except BaseException:
@@ -225,7 +264,7 @@ class TritonServer:
         from . import procfs
 
         e = self.endpoints
-        url = f"http://{e.client_host()}:{e.http_port}/v2/health/ready"
+        url = f"http://{e.http}/v2/health/ready"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
@@ -234,7 +273,7 @@ class TritonServer:
                                   f"{self.log_tail()}")
             with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
                 with urllib.request.urlopen(url, timeout=2) as response:
-                    ours = {e.http_port, e.grpc_port, e.metrics_port} <= procfs.listening_ports(self._process.pid)
+                    ours = {port for _, _, port in e.listeners()} <= procfs.listening_ports(self._process.pid)
                     if response.status == 200 and ours:
                         self._remember_shm()
                         return
@@ -243,33 +282,16 @@ class TritonServer:
                           f"timeout); {self._log_name()}:\n{self.log_tail()}")
 
     def _remember_shm(self) -> None:
+        """Note the model processes' shared-memory regions (removed by stop() even after a kill) and make them the
+        user's alone: the Python backend creates them mode 0644 whatever the umask, and every request's tensors
+        pass through them. (Between a region's creation at model load and this call, before any request was
+        served, another local user could open it; a private /dev/shm, e.g. a container, closes that window.)"""
         from . import procfs
 
-        self._shm_regions |= {stub.shm_region for stub in procfs.stubs(self._process.pid)}
-
-    def reload_model(self, model: str, timeout_s: float) -> None:
-        """Unload and load one model through Triton's model-control API: new Python-backend processes for it.
-
-        Unload first: a load request for a loaded model whose files did not change is a no-op in Triton 2.51,
-        which left the dead process in place (seen after a server restart)."""
-        for action in ("unload", "load"):
-            self._repository_call(model, action, timeout_s)
-        self._remember_shm()
-
-    def _repository_call(self, model: str, action: str, timeout_s: float) -> None:
-        e = self.endpoints
-        url = f"http://{e.client_host()}:{e.http_port}/v2/repository/models/{model}/{action}"
-        request = urllib.request.Request(url, data=b"{}", method="POST", headers={ADMIN_HEADER: self._admin_key})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s):
-                pass
-        except urllib.error.HTTPError as exc:
-            detail = exc.read().decode(errors="replace")[:300]
-            raise ServerError(f"{action} of model {model} failed (HTTP {exc.code}: {detail}); "
-                              f"{self._log_name()}:\n{self.log_tail()}") from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as exc:
-            raise ServerError(f"{action} of model {model} failed ({exc}); {self._log_name()}:\n"
-                              f"{self.log_tail()}") from None
+        for stub in procfs.stubs(self._process.pid):
+            self._shm_regions.add(stub.shm_region)
+            with contextlib.suppress(OSError):
+                os.chmod(procfs.SHM_DIR / stub.shm_region.lstrip("/"), 0o600)
 
     def _log_name(self) -> str:
         scratch = self._scratch is not None and self.log_path.is_relative_to(self._scratch)
@@ -299,18 +321,18 @@ class TritonServer:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._process.pid, signal.SIGKILL)
 
-    def stop(self) -> int | None:
+    def stop(self, graceful: bool = True) -> int | None:
         """SIGTERM (Triton drains in-flight requests up to exit_timeout_s), then SIGKILL if it hangs; the server's
-        model processes, shared memory and scratch folder go with it."""
+        model processes, shared memory and scratch folder go with it. ``graceful=False`` kills at once: after a
+        model process died, Triton would wait out exit_timeout_s for requests that process will never answer."""
         process = self._process
         code = None
         if process is not None:
+            if not graceful:
+                self.kill()
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-                try:
-                    process.wait(timeout=self.exit_timeout_s + 10)
-                except subprocess.TimeoutExpired:
-                    self.kill()
+                self._wait_for_drain(process)
             process.wait()
             code = process.returncode
             # Stubs left by a crashed or killed server share its process group; their pid namesake is gone.
@@ -328,6 +350,32 @@ class TritonServer:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None
         return code
+
+    def _wait_for_drain(self, process: subprocess.Popen) -> None:
+        """After SIGTERM: Triton lets in-flight requests finish (up to exit_timeout_s), then unloads each model
+        instance, the Python backend spending a second per instance on a health check; once the log says no
+        inference is in flight there is nothing left to lose, so the rest is a kill, not a wait."""
+        start = self.log_path.stat().st_size if self.log_path and self.log_path.exists() else 0
+        deadline = time.monotonic() + self.exit_timeout_s + 10
+        while time.monotonic() < deadline:
+            try:
+                process.wait(timeout=0.2)
+                return
+            except subprocess.TimeoutExpired:
+                pass
+            if DRAINED_LOG_LINE in self._log_since(start):
+                break
+        self.kill()
+
+    def _log_since(self, offset: int) -> str:
+        if self.log_path is None:
+            return ""
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(offset)
+                return log.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def __enter__(self) -> TritonServer:
         return self.start() if self._process is None else self

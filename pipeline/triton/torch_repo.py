@@ -33,6 +33,10 @@ INPUTS: list[tuple[str, str, list[int]]] = [
     ("top_p", "FP32", [1]),
     ("seed", "UINT64", [1]),
     ("num_draft_tokens", "INT32", [1]),
+    # True: max_tokens is lowered to what the KV pool holds for this prompt instead of the request being refused
+    # (the OpenAI endpoint sends it for a request without max_tokens: it cannot count a chat's prompt tokens).
+    ("max_tokens_fit", "BOOL", [1]),
+    ("cache_salt", "STRING", [1]),  # requests share cached prefix blocks only with requests of the same salt
 ]
 REQUIRED_INPUTS = {"max_tokens"}  # one of text_input / input_ids / messages is checked by the model
 # The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.
@@ -78,6 +82,8 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         "ngram_min_match": config.speculative.ngram.min_match,
         "ngram_max_match": config.speculative.ngram.max_match,
         "config_name": config.name,
+        "request_timeout_s": config.serve.request_timeout_s,
+        "prefix_cache_metrics": config.serve.prefix_cache_metrics,
         # For clients: the largest num_draft_tokens the model takes (scripts/load_test.py reads it from here).
         "max_draft_len": config.speculative.medusa.tree().max_depth if config.speculative.medusa is not None
         and config.speculative.method == "medusa" else config.speculative.max_draft_len,

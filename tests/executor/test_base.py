@@ -125,3 +125,16 @@ def test_seeded_sampling_is_reproducible_per_prompt(executor):
     assert a[1].token_ids == b[0].token_ids
     c = executor.generate(PROMPTS[:2], 12, seed=[12, 13], **kw)
     assert [r.token_ids for r in c] != [r.token_ids for r in a]
+
+
+def test_fit_max_tokens_lowers_a_default_to_what_max_seq_len_leaves(executor):
+    """A caller's default cap (a chat without max_tokens) is fitted to the room after the prompt instead of being
+    refused; a value within the room is kept."""
+    executor.eos_token_ids = []
+    prompt = list(range(10, 10 + 50))
+    with pytest.raises(RequestError, match="max_seq_len 128"):
+        executor.new_request(prompt, 4096)
+    fitted = executor.new_request(prompt, 4096, fit_max_tokens=True, with_text=False)
+    assert fitted.max_new_tokens == 128 - 50
+    assert len(executor.run([fitted])[0].token_ids) == 128 - 50
+    assert executor.new_request(prompt, 7, fit_max_tokens=True).max_new_tokens == 7

@@ -287,3 +287,79 @@ def test_a_prompt_whose_context_is_all_cached_needs_no_prefill_forward(pair):
     second = ex.generate([prompt], max_new_tokens=6)[0]
     assert first.token_ids == second.token_ids == hf_greedy(target, prompt, 6)
     assert ex.engine.prefix_stats.hit_tokens == 8
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_a_tiny_temperature_samples_the_greedy_tokens(pair, k):
+    """1e-44 passes validation (finite, > 0); dividing float32 logits by it overflowed to NaN probabilities, which
+    made the draft's sampling raise inside the step (K > 0) or emitted arbitrary ids (K = 0). Its limit is greedy."""
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=3, max_batch_size=4)
+    greedy = ex.generate(PROMPTS[:3], 16, max_draft_len=k)
+    for seed in (None, 1):
+        tiny = ex.generate(PROMPTS[:3], 16, temperature=1e-44, seed=seed, max_draft_len=k)
+        assert [r.token_ids for r in tiny] == [r.token_ids for r in greedy], seed
+
+
+def test_fit_max_tokens_fits_the_kv_pool_instead_of_refusing(pair):
+    """A pool of 64 positions, K = 3 (a verify writes 4 past the end): a prompt of p tokens has room for 60 - p new
+    ones. Fitted, the request runs to exactly that length; a prompt that leaves no room for one is refused."""
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=3, max_batch_size=4,
+                             kv=KVSettings(block_size=4, max_tokens=64))
+    ex.eos_token_ids = []
+    prompt = tok(PROMPTS[2])["input_ids"]
+    with pytest.raises(RequestError, match="needs \\d+ KV positions, but the KV cache holds 64"):
+        ex.new_request(prompt, 4096)
+    fitted = ex.new_request(prompt, 4096, fit_max_tokens=True, with_text=False)
+    assert fitted.max_new_tokens == 60 - len(prompt)
+    (result,) = ex.run([fitted])
+    assert result.token_ids == hf_greedy(target, prompt, 60 - len(prompt))
+    assert ex.new_request(prompt, 5, fit_max_tokens=True).max_new_tokens == 5
+    with pytest.raises(RequestError, match="prompt \\(60 tokens\\) \\+ max_tokens \\(1\\) needs 68 KV positions, but "
+                                           "the KV cache holds 64 \\(build.kv_cache.max_tokens\\)"):
+        ex.new_request(list(range(5, 65)), 4096, fit_max_tokens=True)
+
+
+def test_cache_salts_keep_prefix_reuse_apart(pair):
+    """Requests share cached prompt blocks only with requests of the same salt (or, unsalted, with unsalted ones);
+    the tokens never depend on it."""
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=2, max_batch_size=2, kv=KVSettings(block_size=4))
+    prompt = tok(SYSTEM + PROMPTS[0])["input_ids"]
+    expected = hf_greedy(target, prompt, 6)
+    hits = []
+    for salt in ("tenant-a", "tenant-b", None, "tenant-a", None, "tenant-b"):
+        (result,) = ex.run([ex.new_request(prompt, 6, cache_salt=salt, with_text=False)])
+        assert result.token_ids == expected
+        hits.append(ex.engine.prefix_stats.hit_tokens - sum(hits))
+    reusable = (len(prompt) - 1) // 4 * 4
+    assert hits == [0, 0, 0, reusable, reusable, reusable]
+    assert ex.draft.cache.pool.stats.hit_tokens == 3 * reusable  # the draft's cache is salted the same way
+    with pytest.raises(RequestError, match="cache_salt: 7 must be a string"):
+        ex.new_request(prompt, 6, cache_salt=7)
+
+
+def test_colliding_block_keys_never_change_a_result(monkeypatch):
+    """Every block key the same: a prompt must never take the KV of another prompt's blocks (each hit is checked
+    against the block's place, parent and tokens), so every result is Hugging Face's. Random models: their outputs
+    depend on the whole context, so KV from the wrong positions shows."""
+    from pipeline.executor import block_pool
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    monkeypatch.setattr(block_pool, "digest", lambda parent, tokens: bytes(32))
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         eos_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(config).eval()
+    torch.manual_seed(1)
+    draft = LlamaForCausalLM(config).eval()
+    ex = SpeculativeExecutor(target, draft, tokenizer=None, max_draft_len=2, max_batch_size=2,
+                             kv=KVSettings(block_size=4))
+    head, other = [5, 9, 13, 2], [7, 7, 30, 1]
+    prompts = [head + other + [11, 3, 8, 8, 40], head * 3 + [6], other + head + [20, 21], head + other + [4, 4, 4]]
+    for prompt in prompts + prompts[::-1]:
+        (result,) = ex.generate([prompt], 8)
+        assert result.token_ids == hf_greedy(target, prompt, 8), prompt
+    assert ex.engine.prefix_stats.hit_tokens > 0  # a first block equal to the one keyed block is still reused

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.executor import block_pool
 from pipeline.executor.block_pool import BlockPool, OutOfBlocks, block_hashes
 
 
@@ -65,3 +66,51 @@ def test_without_reuse_nothing_is_shared_or_counted():
     pool.commit("a", [1, 2, 3])
     pool.close("a")
     assert pool.open("b", [1, 2, 3]) == 0 and not pool.cached and pool.stats.queried_tokens == 0
+
+
+def _committed(pool, seq, tokens, salt=None):
+    """Open ``seq`` for ``tokens``, give it blocks for all of them and commit them (its KV is computed)."""
+    reused = pool.open(seq, tokens, salt)
+    pool.reserve(seq, len(tokens))
+    pool.commit(seq, tokens)
+    return reused
+
+
+def test_a_key_collision_never_hands_out_another_prompts_blocks(monkeypatch):
+    """Every block gets the same key: a hit is checked against the block's stored tokens and parent, so a prompt
+    never takes blocks computed for other tokens, and an equal prompt still can."""
+    monkeypatch.setattr(block_pool, "digest", lambda parent, tokens: bytes(32))  # the unsalted root's value too
+    pool = BlockPool(block_size=2, max_blocks=16)
+    _committed(pool, "a", [1, 2, 3, 4, 5])
+    assert pool.open("b", [7, 8, 3, 4, 5]) == 0  # other first block
+    assert pool.open("c", [1, 2, 1, 2, 5]) == 2  # its own first block, then a's first block again: not a child of it
+    assert pool.tables["c"] == pool.tables["a"][:1]
+    _committed(pool, "d", [9, 9, 9])
+    assert pool.open("e", [9, 9, 0]) == 0  # the key is taken by a's block, whose tokens differ
+
+
+def test_blocks_computed_twice_keep_their_place_in_the_chain():
+    """Two sequences compute the same first block (neither found it cached); only one copy is keyed. The other
+    sequence's next block must still be keyed as a second block, never as a first one: a prompt that starts with
+    that block's tokens has other KV at those positions."""
+    pool = BlockPool(block_size=2, max_blocks=16)
+    for seq in ("a", "b"):
+        pool.open(seq, [1, 2, 3])
+        pool.reserve(seq, 3)
+    pool.commit("a", [1, 2])
+    pool.commit("b", [1, 2])  # a duplicate of a's block: not keyed
+    pool.reserve("b", 5)
+    pool.commit("b", [1, 2, 3, 4])  # b's second block, in a later commit
+    assert pool.open("c", [3, 4, 0]) == 0
+    assert pool.open("d", [1, 2, 3, 4, 0]) == 4  # as a second block it is found
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt():
+    pool = BlockPool(block_size=2, max_blocks=16)
+    prompt = [1, 2, 3, 4, 5]
+    assert _committed(pool, "alice", prompt, "tenant-a") == 0
+    assert pool.open("bob", prompt, "tenant-b") == 0
+    assert pool.open("nobody", prompt) == 0
+    assert pool.open("alice-again", prompt, "tenant-a") == 4
+    _committed(pool, "plain", [1, 2, 3, 4, 6])
+    assert pool.open("plain-again", prompt) == 4 and pool.open("bob-again", prompt, "tenant-b") == 0

@@ -20,6 +20,7 @@ from pipeline.methods import Method
 from pipeline.speculative.tree import TokenTree
 from pipeline.speculative.tree_choices import tree_paths
 from tests.conftest import load_tiny_models
+from tests.executor.test_batching_engine_failures import fail_verify_of
 
 PROMPTS = ["def add(a, b):\n    return", "import os\nimport sys\n", "class Foo:\n    def __init__(self", "x = ["]
 NEW = 24
@@ -183,3 +184,33 @@ def test_the_cache_places_a_tree_by_depth_and_keeps_one_path():
     assert a_keys[3:6] == [flat[3], flat[5], flat[7]]  # root kept; nodes moved next to it
     assert layer.values.flatten()[flat][4:6].tolist() == [flat[5], flat[7]]
     assert layer.keys[cache.pool.tables["b"]].flatten().tolist() == other  # other sequences untouched
+
+
+def test_a_row_failing_beside_medusa_rows_leaves_them_exactly_as_they_were(pair):
+    """A step that fails for one row runs the others one at a time: each Medusa row must still keep the hidden state
+    its own verify handed over (not only the last row's), so its tokens and statistics are those of a fault-free
+    run; and nothing is kept for a request once it has left."""
+    target, draft, tok = pair
+    ids, refs = references(target, tok, PROMPTS, NEW)
+    heads = OracleHeads(target, [x + r for x, r in zip(ids, refs)], [1, 0, 1, 0])
+    kinds = [dict(), dict(temperature=0.9, seed=3), dict(method="draft_model"), dict()]
+
+    def make():
+        ex = SpeculativeExecutor(target, draft, tok, method="medusa", medusa=heads, medusa_choices="mc_sim_7b_63",
+                                 max_batch_size=4)
+        return ex, [ex.new_request(p, NEW, with_text=False, **kind) for p, kind in zip(PROMPTS, kinds)]
+
+    ex, requests = make()
+    fault_free = [(r.token_ids, r.stats.to_dict()) for r in ex.run(requests)]
+    ex, requests = make()
+    victim = requests[2]
+    fail_verify_of(ex.engine, victim)
+    for request in requests:
+        ex.engine.add(request)
+    while ex.engine.has_work():
+        ex.engine.step()
+    assert victim.finish_reason == "error"
+    for i, request in enumerate(requests):
+        if request is not victim:
+            assert (request.generated, request.stats.to_dict()) == fault_free[i], i
+    assert ex.engine.proposers[Method.MEDUSA]._hidden == {}

@@ -5,6 +5,7 @@ missing."""
 from __future__ import annotations
 
 import sys
+from enum import StrEnum
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from pipeline.backends.trtllm_runner import EngineLimits, RunnerOutput
 from pipeline.errors import BackendUnavailable
 from pipeline.executor import RequestError
 from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor, step_seed
+from pipeline.methods import parse_method
 from tests.conftest import load_tiny_models
 from tests.fake_trtllm import FakeTrtllmEngine
 
@@ -219,3 +221,45 @@ def test_medusa_and_external_draft_engines_do_not_mix():
     ex, *_ = make_executor(k=4)
     with pytest.raises(RequestError, match="needs Medusa heads"):
         ex.generate([[1]], 4, method="medusa")
+
+
+class _FutureMethod(StrEnum):
+    """A method this loop has no code for (a stand-in for one added to Method later)."""
+
+    EAGLE = "eagle"
+
+    @property
+    def needs_draft_model(self) -> bool:
+        return False
+
+    @property
+    def needs_medusa_heads(self) -> bool:
+        return False
+
+
+def _parse_with_eagle(value, *args, **kwargs):
+    return _FutureMethod.EAGLE if value == "eagle" else parse_method(value, *args, **kwargs)
+
+
+def test_a_method_the_loop_does_not_implement_is_refused_by_name(monkeypatch):
+    """Not run as the draft model: refused when the executor is made and on a request, listing what it runs."""
+    import pipeline.executor.base as base
+    import pipeline.executor.trtllm_executor as trtllm_executor
+
+    monkeypatch.setattr(trtllm_executor, "parse_method", _parse_with_eagle)
+    monkeypatch.setattr(base, "parse_method", _parse_with_eagle)
+    listed = "\\(it runs 'draft_model', 'ngram', 'ngram\\+draft', 'medusa'\\)"
+    with pytest.raises(ValueError, match=f"method: 'eagle' is not implemented by the TensorRT-LLM executor {listed}"):
+        TrtllmSpeculativeExecutor(FakeTrtllmRuntime(target_next), FakeTrtllmRuntime(draft_next),
+                                  None, EngineLimits(64, 256, 4), 4, method="eagle")
+    ex, target, draft = make_executor(k=4)
+    with pytest.raises(RequestError, match=f"method: 'eagle' is not implemented .*{listed}"):
+        ex.generate([[1, 2, 3]], 6, method="eagle")
+    assert target.calls == [] and draft.calls == []
+
+
+def test_cache_salt_is_refused_rather_than_ignored():
+    ex, target, _ = make_executor(k=4)
+    with pytest.raises(RequestError, match="cache_salt: 'tenant-a', but TensorRT-LLM's KV block reuse"):
+        ex.new_request([1, 2, 3], 6, cache_salt="tenant-a")
+    assert ex.new_request([1, 2, 3], 6, cache_salt=None).cache_salt is None

@@ -42,7 +42,7 @@ def test_a_disconnect_closes_the_event_generator():
 
 
 def test_an_error_after_the_first_event_goes_in_band_then_done():
-    from pipeline.openai_api.app import _events
+    from pipeline.openai_api.app import Ends, _events
     from pipeline.openai_api.errors import ApiError
     from pipeline.openai_api.generation import Generation
     from pipeline.openai_api.protocol import GenerationRequest
@@ -57,8 +57,34 @@ def test_an_error_after_the_first_event_goes_in_band_then_done():
     async def events() -> list[bytes]:
         generation = Generation(FailingTriton(), GenerationRequest(chat=True, inputs={}))
         await generation.start()
-        return [event async for event in _events(generation, Reply.new(chat=True, model="m"), include_usage=True)]
+        reply = Reply.new(chat=True, model="m")
+        return [event async for event in _events(generation, reply, include_usage=True, ends=Ends(60, asyncio.Event()))]
 
     sent = asyncio.run(events())
     assert b'"role":"assistant"' in sent[0] and b'"content":"def"' in sent[1]
     assert sent[2].startswith(b'data: {"error":') and b"the step failed" in sent[2] and sent[3:] == [DONE]
+
+
+def test_an_upload_abandoned_mid_body_is_not_an_error():
+    """Starlette raises ClientDisconnect from request.stream(); the app ends the request quietly instead of letting
+    it reach the 500 handler (which re-raises it to the server, where it prints a traceback)."""
+    from pipeline.front.guard import GuardSettings
+    from pipeline.openai_api.app import create_app
+    from pipeline.openai_api.protocol import ServedModel
+
+    app = create_app(ServedModel("m", 512, 256, 8192), "127.0.0.1:1", guard=GuardSettings(("localhost",)))
+    messages = iter([{"type": "http.request", "body": b'{"prompt": ', "more_body": True},
+                     {"type": "http.disconnect"}])
+
+    async def receive():
+        return next(messages)
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions",
+             "query_string": b"", "root_path": "", "server": ("127.0.0.1", 80), "client": ("127.0.0.1", 5000),
+             "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"),
+                         (b"content-length", b"1000")]}
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before

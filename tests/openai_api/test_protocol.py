@@ -27,16 +27,20 @@ def refused(parse, body: dict, status: int = 400) -> ApiError:
 def test_a_text_completion_with_openai_defaults():
     parsed = parse_completion({"model": "tiny-chat", "prompt": "def f(x):"}, SERVED)
     # OpenAI's defaults, not the Triton model's: 16 tokens, temperature 1
-    assert parsed.inputs == {"text_input": "def f(x):", "max_tokens": COMPLETION_MAX_TOKENS, "temperature": 1.0}
+    assert parsed.inputs == {"text_input": "def f(x):", "max_tokens": COMPLETION_MAX_TOKENS, "temperature": 1.0,
+                             "max_tokens_fit": True}
     assert not parsed.chat and not parsed.stream and not parsed.include_usage and parsed.stop == ()
 
 
 def test_sampling_values_and_the_extensions_reach_triton():
     parsed = parse_completion({"prompt": "x", "max_tokens": 7, "temperature": 0, "top_p": 0.5, "seed": 2**64 - 1,
-                               "top_k": 3, "num_draft_tokens": 0, "user": "someone", "stop": "\n\n"}, SERVED)
+                               "top_k": 3, "num_draft_tokens": 0, "user": "someone", "stop": "\n\n",
+                               "cache_salt": "tenant-7"}, SERVED)
     assert parsed.inputs == {"text_input": "x", "max_tokens": 7, "temperature": 0.0, "top_p": 0.5,
-                             "seed": 2**64 - 1, "top_k": 3, "num_draft_tokens": 0}
+                             "seed": 2**64 - 1, "top_k": 3, "num_draft_tokens": 0, "cache_salt": "tenant-7"}
     assert parsed.stop == ("\n\n",)
+    for salt in ("", 7, ["a"]):
+        assert refused(parse_completion, {"prompt": "x", "cache_salt": salt}).param == "cache_salt"
 
 
 @pytest.mark.parametrize("prompt, name, value", [
@@ -119,6 +123,15 @@ def test_values_that_cannot_become_their_tensor(field, value, words):
     assert error.param == field and words in error.message, error.message
 
 
+@pytest.mark.parametrize("field", ["temperature", "top_p"])
+@pytest.mark.parametrize("value", [10**400, -(10**400), 1e39, float("inf"), float("-inf"), float("nan")],
+                         ids=["401-digits", "-401-digits", "past-float32", "inf", "-inf", "nan"])
+def test_numbers_a_float32_cannot_hold_are_refused(field, value):
+    error = refused(parse_completion, {"prompt": "x", field: value})
+    assert error.param == field and "is not a finite number within the 32-bit float range" in error.message
+    assert len(error.message) < 200  # the 401 digits are cut
+
+
 def test_value_ranges_are_left_to_the_model():
     # One place for these rules: the Triton model's own checks, whose messages pass through (see the live tests).
     parsed = parse_completion({"prompt": "x", "temperature": -1, "top_p": 7, "num_draft_tokens": 99}, SERVED)
@@ -183,6 +196,14 @@ def test_chat_messages_become_the_models_messages_input():
 def test_bad_messages(messages, words):
     error = refused(parse_chat, {"messages": messages})
     assert error.param == "messages" and words in error.message, error.message
+
+
+def test_no_max_tokens_asks_the_model_to_fit_the_default():
+    # The proxy cannot count a chat's prompt tokens: the model lowers the default to what its KV pool holds.
+    for parse, body in [(parse_chat, {"messages": HELLO}), (parse_completion, {"prompt": "x"})]:
+        assert parse(body, SERVED).inputs["max_tokens_fit"] is True
+        for given in ("max_tokens", "max_completion_tokens") if parse is parse_chat else ("max_tokens",):
+            assert "max_tokens_fit" not in parse({**body, given: 5}, SERVED).inputs
 
 
 def test_chat_max_tokens():

@@ -69,7 +69,8 @@ def client(serving):
 def triton_generate(ports: dict, **body) -> dict:
     """The same request through Triton's own request/response model (HTTP generate)."""
     url = f"http://127.0.0.1:{ports['http_port']}/v2/models/speculative/generate"
-    with urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode()), timeout=120) as answer:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
         return json.loads(answer.read())
 
 
@@ -189,7 +190,8 @@ def test_concurrent_requests_get_their_own_answers(client):
 def test_raw_stream_is_server_sent_events_ending_in_done(serving):
     _, ports = serving
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "stream": True}).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{ports['openai_port']}/v1/completions", data=body)
+    request = urllib.request.Request(f"http://127.0.0.1:{ports['openai_port']}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=60) as answer:
         assert answer.headers["Content-Type"].startswith("text/event-stream")
         events = answer.read().decode().split("\n\n")

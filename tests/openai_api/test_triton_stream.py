@@ -25,6 +25,13 @@ def test_values_become_batch_of_one_tensors_of_the_models_dtypes():
     assert "ü".encode() in tensors["text_input"]._get_content()  # noqa: SLF001
 
 
+def test_max_tokens_fit_is_a_bool_tensor():
+    assert ("max_tokens_fit", "BOOL", [1]) in INPUTS  # the models' own table (pipeline/triton/torch_repo.py)
+    tensor, = infer_inputs({"max_tokens_fit": True})
+    assert (tensor.name(), tensor.datatype(), tensor.shape()) == ("max_tokens_fit", "BOOL", [1, 1])
+    assert np.frombuffer(tensor._get_content(), dtype=np.bool_).tolist() == [True]  # noqa: SLF001
+
+
 @pytest.mark.parametrize("message, status, param", [
     ("temperature: -1.0 must be a finite number >= 0 (0 = greedy)", 400, "temperature"),
     ("text_input: 9000 bytes is over the 8192-byte limit", 400, "prompt"),

@@ -1,5 +1,6 @@
 """The accept rules as pure tensor functions: exact stub cases, statistics, determinism, edge cases."""
 
+import pytest
 import torch
 
 from pipeline.speculative import accept_greedy, accept_matching, accept_rejection
@@ -198,3 +199,59 @@ def test_batched_rows_equal_each_row_alone_whatever_the_padding_holds():
             assert accepted[row] == alone_accepted[0]
             assert batched[row, :n + 1].tolist() == alone[0].tolist()
             assert (batched[row, n + 1:] == -1).all()
+
+
+# ---- the draft-token contract: ids in [0, V), PAD only after a row's real drafts ------------------------------------
+
+
+def _uniform(batch, positions, vocab=4):
+    return torch.full((batch, positions, vocab), 1.0 / vocab)
+
+
+@pytest.mark.parametrize("drafts, num_draft, where", [
+    ([[1, -5]], None, "draft_tokens\\[0, 1\\]: -5"),  # a negative id was emitted as is
+    ([[1, 2], [2, -1]], torch.tensor([2, 2]), "draft_tokens\\[1, 1\\]: -1"),  # PAD inside the row's num_draft
+    ([[-1, 2]], None, "draft_tokens\\[0, 0\\]: -1"),  # PAD before a real token breaks the left-aligned output
+    ([[1, 4]], None, "draft_tokens\\[0, 1\\]: 4"),  # V = 4
+])
+def test_rejection_refuses_draft_ids_outside_the_vocabulary(drafts, num_draft, where):
+    drafts = torch.tensor(drafts)
+    batch, k = drafts.shape
+    with pytest.raises(ValueError, match=where + " is not a token id in \\[0, 4\\)"):
+        accept_rejection(drafts, _uniform(batch, k), _uniform(batch, k + 1), num_draft=num_draft,
+                         uniforms=torch.zeros(batch, k + 1))
+
+
+@pytest.mark.parametrize("drafts, where", [
+    ([[3, -5, 1]], "draft_tokens\\[0, 1\\]: -5"),
+    ([[3, -1, 1]], "draft_tokens\\[0, 1\\]: -1"),
+    ([[0, 1, 2], [6, 1, 2]], "draft_tokens\\[1, 0\\]: 6"),
+])
+def test_greedy_refuses_draft_ids_outside_the_vocabulary(drafts, where):
+    drafts = torch.tensor(drafts)
+    targets = one_hot_logits([[3, 1, 1, 0]] * drafts.shape[0])
+    with pytest.raises(ValueError, match=where + " is not a token id in \\[0, 6\\)"):
+        accept_greedy(drafts, targets)
+    if "6" not in where:  # accept_matching has no vocabulary: only negatives and PAD before a real token
+        with pytest.raises(ValueError, match=where + " is not a token id >= 0"):
+            accept_matching(drafts, targets.argmax(-1))
+
+
+def test_trailing_pad_and_padding_past_num_draft_are_accepted():
+    out, n = accept_greedy(torch.tensor([[3, 1, -1], [3, -1, -1]]), one_hot_logits([[3, 1, 4, 0], [3, 2, 2, 2]]))
+    assert out.tolist() == [[3, 1, 4, -1], [3, 2, -1, -1]] and n.tolist() == [2, 1]
+    # Past num_draft anything is padding: never read, never emitted.
+    out, n = accept_rejection(torch.tensor([[1, 99, -7]]), dist([0, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0])[None],
+                              dist([0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1], [1, 0, 0, 0])[None],
+                              num_draft=torch.tensor([1]), uniforms=torch.zeros(1, 4))
+    assert out.tolist() == [[1, 2, -1, -1]] and n.tolist() == [1]
+
+
+def test_rejection_without_num_draft_reads_trailing_pad_as_padding():
+    """A trailing PAD is not a token: the row has one draft token, so its bonus comes from target row 1 (token 0).
+    Read as token 0, which both distributions favour at position 1, the PAD would be kept and emitted."""
+    draft_probs = dist([0, 1, 0, 0], [1, 0, 0, 0])[None]
+    target_probs = dist([0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1])[None]
+    out, n = accept_rejection(torch.tensor([[1, -1]]), draft_probs, target_probs,
+                              generator=torch.Generator().manual_seed(0))
+    assert n.tolist() == [1] and out.tolist() == [[1, 0, -1]]

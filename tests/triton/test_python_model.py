@@ -55,6 +55,8 @@ def expected(executor):
 def server(built_engines, tmp_path_factory):
     config_path, engines = built_engines
     config = load_config(config_path)
+    # The prefix-cache counters are off by default (serve.prefix_cache_metrics); this server exports them.
+    config = config.model_copy(update={"serve": config.serve.model_copy(update={"prefix_cache_metrics": True})})
     repo = deploy(config, engines).path
     endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
     log = tmp_path_factory.mktemp("triton") / "server.log"

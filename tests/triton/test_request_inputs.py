@@ -324,3 +324,22 @@ def test_parse_request_defaults_and_values():
 def test_parse_request_rejects_bad_values(tensors, field):
     with pytest.raises(RequestError, match=field):
         parse_request(_get(**tensors), 4)
+
+
+def test_max_tokens_fit_and_cache_salt_reach_the_executor():
+    def request(**extra):
+        values = {"text_input": np.array([[b"hello"]], dtype=np.object_), "max_tokens": np.array([[64]], np.int32),
+                  **extra}
+        return parse_request(values.get, K_LIMIT, 64)
+
+    plain = request().executor_kwargs()
+    assert plain["fit_max_tokens"] is False and plain["cache_salt"] is None
+    fitted = request(max_tokens_fit=np.array([[True]]), cache_salt=np.array([[b"tenant-7"]], dtype=np.object_))
+    assert fitted.executor_kwargs()["fit_max_tokens"] is True
+    assert fitted.executor_kwargs()["cache_salt"] == "tenant-7"
+    with pytest.raises(RequestError, match="cache_salt: 0 bytes"):
+        request(cache_salt=np.array([[b""]], dtype=np.object_))
+    with pytest.raises(RequestError, match="cache_salt: 257 bytes"):
+        request(cache_salt=np.array([[b"x" * 257]], dtype=np.object_))
+    with pytest.raises(RequestError, match="max_tokens_fit: dtype"):
+        request(max_tokens_fit=np.array([[1.0]], np.float32))

@@ -57,3 +57,6 @@ def test_torch_model_configs(tmp_path, instances, proxies):
         assert Path(p["engines_dir"]).is_absolute() and (Path(p["pipeline_root"]) / "pipeline").is_dir()
         assert p["device"] == "cpu" and p["role"] == ("engine" if engine else "proxy")
         assert p["engine_model"] == "speculative_stream"
+        # the prefix-cache counters stay off the unauthenticated metrics port unless the config asks
+        assert p["prefix_cache_metrics"] == "false" and float(p["request_timeout_s"]) == 600
+        assert inputs["max_tokens_fit"].data_type == mc.TYPE_BOOL and inputs["cache_salt"].optional

@@ -7,6 +7,7 @@ The engine asks each row's proposer (the one its request's method names) three t
   propose draft for all the rows routed to it at once (one batched forward for a model), writing each row's tokens
           and, for sampled rows, their distributions into the StepBatch.
 The verifier never learns who drafted: it sees draft tokens and distributions, or a tree of candidates (Medusa).
+A proposer that keeps state per request hears of the request's end through ``release``.
 """
 
 from __future__ import annotations
@@ -56,5 +57,9 @@ class Proposer(ABC):
         """Draft up to batch.k[row] tokens for each of ``rows`` and :meth:`StepBatch.put` them."""
 
     def verified(self, requests: list, hidden) -> None:
-        """With ``wants_hidden``: after each verify, the requests of this method in the batch and the target's final
-        hidden states [len(requests), d] at the last position each one accepted."""
+        """With ``wants_hidden``: after each verify, requests of this method that it advanced and the target's final
+        hidden states [len(requests), d] at the last position each one accepted (a step may hand its rows over in
+        several calls)."""
+
+    def release(self, request_id: int) -> None:
+        """The request left the engine (finished, cancelled or failed): drop anything kept for it."""

@@ -56,6 +56,9 @@ class MedusaProposer(Proposer):
             batch.put(row, tokens[0, 1:].tolist(), None, self.method, tree)
 
     def verified(self, requests: list, hidden: Tensor) -> None:
-        """The rows of this step that use Medusa and their hidden states [R, d] at their last accepted position;
-        requests not among them (finished, cancelled, or another method) are forgotten."""
-        self._hidden = {request.id: hidden[i] for i, request in enumerate(requests)}
+        """Rows of this step that use Medusa and their hidden states [R, d] at their last accepted position."""
+        for i, request in enumerate(requests):
+            self._hidden[request.id] = hidden[i]
+
+    def release(self, request_id: int) -> None:
+        self._hidden.pop(request_id, None)

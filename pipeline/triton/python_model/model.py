@@ -14,13 +14,14 @@ parameter ``role`` says which part this instance plays:
 
 Other config.pbtxt parameters: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``,
 ``config_name``, ``device``, ``adaptive_draft_len``, ``method``, ``ngram_min_match``, ``ngram_max_match`` (the
-config's drafting method and lookup settings; without them the engines' recorded ones) and ``engine_model``. Both export the counters ``spec_*_total`` on Triton's metrics
+config's drafting method and lookup settings; without them the engines' recorded ones), ``engine_model``,
+``request_timeout_s`` (the proxy's deadline per request) and ``prefix_cache_metrics``. Both export the counters ``spec_*_total`` on Triton's metrics
 port, the engine model also ``spec_drafted_at_position_total`` / ``spec_accepted_at_position_total`` per draft
 position (label ``position``; for Medusa the tree depth) (the engine model counts all the work it did, proxied requests included; the
 proxy the requests it answered);
-the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``, and the counters
+the engine model also exports the gauges ``spec_batch_occupancy`` and ``spec_queue_depth``, the counters
 ``spec_prefix_prompt_tokens_total`` / ``spec_prefix_cached_tokens_total`` (prompt tokens looked up in the prefix
-cache / reused from it), ``spec_engine_steps_total``, ``spec_engine_step_rows_total`` (mean occupancy over an
+cache / reused from it; only with ``prefix_cache_metrics``), ``spec_engine_steps_total``, ``spec_engine_step_rows_total`` (mean occupancy over an
 interval = rate(rows) / rate(steps) / max batch size) and ``spec_prefill_tokens_total``.
 """
 
@@ -28,6 +29,7 @@ import json
 import queue
 import sys
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -81,6 +83,7 @@ class TritonPythonModel:
                          for name, description, field in COUNTERS}
         if self.role == "proxy":
             self.engine_model = params["engine_model"]
+            self.timeout_s = float(params.get("request_timeout_s") or 0) or None
             return
         # Per draft position (a Medusa tree's depth), on the engine model: how often a step drafted there and how
         # often the target kept it; one metric per position label, made when the position first occurs.
@@ -108,8 +111,12 @@ class TritonPythonModel:
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
         # Counters advance by the engine totals' growth since the last step (Triton counters only increment); work
         # done while loading (warm-up) is not served work, so counting starts from the totals now.
+        # The prefix-cache counters tell, block by block, whether some other client sent a prompt: exported only
+        # when the config asks (serve.prefix_cache_metrics), the metrics port having no authentication.
+        exported = [c for c in ENGINE_COUNTERS
+                    if params.get("prefix_cache_metrics", "false") == "true" or c[2] != "prefix_stats"]
         self.engine_counters = [(self._counter(name, description, self.labels), source, field)
-                                for name, description, source, field in ENGINE_COUNTERS]
+                                for name, description, source, field in exported]
         self.engine_seen = [getattr(getattr(self.executor.engine, source), field)
                             for _, source, field in self.engine_counters]
         # Responses leave through their own thread: IPC to Triton then overlaps the next step's forwards instead
@@ -203,15 +210,22 @@ class TritonPythonModel:
         inputs.append(pb_utils.Tensor(FINAL_ONLY_INPUT, np.array([[True]], dtype=np.bool_)))
         forward = pb_utils.InferenceRequest(model_name=self.engine_model, inputs=inputs,
                                             requested_output_names=OUTPUT_NAMES)
-        # The engine answers once, at the end; meanwhile this thread watches for the client going away.
+        # The engine answers once, at the end; meanwhile this thread watches for the client going away and for the
+        # request's deadline (a request past it is cancelled in the engine and answered with an error).
         answers = []
         worker = threading.Thread(target=lambda: answers.extend(forward.exec(decoupled=True)), daemon=True)
         worker.start()
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while worker.is_alive():
             worker.join(PROXY_POLL_S)
-            if worker.is_alive() and request.is_cancelled():
+            late = deadline is not None and time.monotonic() > deadline
+            if worker.is_alive() and (late or request.is_cancelled()):
                 self._cancel_forward(key)
                 worker.join()
+                if late:
+                    error = pb_utils.TritonError(f"request timed out: no answer within {self.timeout_s:g} s "
+                                                 f"(serve.request_timeout_s); ask for fewer max_tokens")
+                    return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=error))
                 self.cancelled_requests.increment(1)
                 error = pb_utils.TritonError("request cancelled by the client",
                                              getattr(pb_utils.TritonError, "CANCELLED", None))
