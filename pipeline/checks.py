@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
 from .dtypes import DtypeChoice, checkpoint_dtype, resolve_dtype, torch_device
 from .errors import CompatibilityError, short_repr
-from .models import ResolvedModel, load_tokenizer, read_hf_config, resolve_model, validate_weights, weights_nonfinite
+from .models import (ResolvedModel, compare_tokenizers, load_tokenizer, max_positions, read_hf_config, resolve_model,
+                     validate_weights, weights_nonfinite)
 
 # Architectures TensorRT-LLM 1.1's checkpoint converters handle for the draft-target path: the decoder-only
 # causal-LM keys of tensorrt_llm/models/__init__.py MODEL_MAP (encoders, vision and Medusa/EAGLE/ReDrafter heads
@@ -21,8 +22,6 @@ TRTLLM_ARCHITECTURES = {
     "NemotronForCausalLM", "BloomForCausalLM", "OPTForCausalLM", "BaichuanForCausalLM", "DeciLMForCausalLM",
     "DeepseekForCausalLM", "CohereForCausalLM", "DbrxForCausalLM", "MPTForCausalLM",
 }
-
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 @dataclass
@@ -41,14 +40,6 @@ class CheckReport:
     def resolved(self, config: PipelineConfig) -> PipelineConfig:
         """``config`` with the derived limits and dtypes filled in: what the stages and manifests use."""
         return _with_resolved(config, self.build or config.build, self.dtypes)
-
-
-def max_positions(hf_config: dict) -> int | None:
-    text = hf_config.get("text_config") or hf_config
-    for key in _POSITION_KEYS:
-        if isinstance(text.get(key), int):
-            return text[key]
-    return None
 
 
 def resolve_build_limits(build: BuildSpec, model_limits: dict[str, int | None]) -> tuple[BuildSpec, list[str]]:
@@ -153,36 +144,34 @@ def _check_architecture(model: ResolvedModel, hf_config: dict, backend: str, rep
     report.ok.append(f"{model.role}: {arch}")
 
 
-def compare_tokenizers(target_tok, draft_tok) -> list[str]:
-    """Differences that make draft token ids meaningless to the target; empty when the two are identical."""
-    problems = []
-    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
-    if target_vocab != draft_vocab:
-        differing = sorted(t for t in set(target_vocab) | set(draft_vocab)
-                           if target_vocab.get(t) != draft_vocab.get(t))
-        example = differing[0] if differing else "?"
-        problems.append(f"token-to-id maps differ (vocab {len(target_vocab)} vs {len(draft_vocab)}, "
-                        f"{len(differing)} tokens differ, e.g. {example!r}: {target_vocab.get(example)} vs "
-                        f"{draft_vocab.get(example)})")
-    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
-        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
-        if a != b:
-            problems.append(f"{attr} differs ({a} vs {b})")
-    if sorted(target_tok.all_special_tokens) != sorted(draft_tok.all_special_tokens):
-        problems.append("special tokens differ")
-    return problems
-
-
 def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckReport:
     """Validate the pair; returns the report (caller raises).
 
     Reads config and tokenizer files, plus the weights' headers when ``with_weights`` (before convert/build).
     """
     report = CheckReport()
+    models, hf_configs = _check_models(config, with_weights, report)
+    if config.speculative.medusa is not None:
+        _check_medusa(config, hf_configs["target"], report)
+    if "draft" not in models and not config.speculative.method.needs_medusa_heads:
+        report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
+    if "draft" in models:
+        _check_tokenizers(models, hf_configs, config.backend, report)
+    _check_limits(config, hf_configs, report)
+    _check_backend_settings(config, hf_configs["target"], report)
+    if problem := bind_address_problem(config.serve.bind_address):
+        report.errors.append(problem)
+    report.warnings.extend(serve_exposure_warnings(config))
+    return report
+
+
+def _check_models(config: PipelineConfig, with_weights: bool, report: CheckReport
+                  ) -> tuple[dict[str, ResolvedModel], dict[str, dict]]:
+    """Each role's model found, its weights sane where they are read, its architecture supported; returns the
+    models and their config.json (the draft only when the method uses a draft model)."""
     models, hf_configs = {}, {}
-    for role in config.roles:  # the draft only when the method uses a draft model
-        spec = getattr(config, role)
-        models[role] = resolve_model(spec, role, config.base_dir, with_weights=with_weights)
+    for role in config.roles:
+        models[role] = resolve_model(getattr(config, role), role, config.base_dir, with_weights=with_weights)
         hf_configs[role] = read_hf_config(models[role])
         if with_weights or models[role].source in ("local", "gguf"):  # local weights: check them in `check` too
             validate_weights(models[role])
@@ -191,35 +180,39 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
                 report.errors.append(f"{role}.model: {nonfinite} (found in a sample of each tensor); the weights "
                                      f"are broken, re-download or re-convert the model")
         _check_architecture(models[role], hf_configs[role], config.backend, report)
+    return models, hf_configs
 
-    if config.speculative.medusa is not None:
-        _check_medusa(config, hf_configs["target"], report)
-    if "draft" not in models and not config.speculative.method.needs_medusa_heads:
-        report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
-    tokenizers = {role: load_tokenizer(models[role]) for role in models} if "draft" in models else {}
-    tokenizer_problems = compare_tokenizers(tokenizers["target"], tokenizers["draft"]) if tokenizers else []
+
+def _check_tokenizers(models: dict[str, ResolvedModel], hf_configs: dict[str, dict], backend: str,
+                      report: CheckReport) -> None:
+    """Draft token ids mean the same to the target: identical tokenizers, embeddings that cover them, and a draft
+    trained over part of the vocabulary that names valid ids."""
+    tokenizers = {role: load_tokenizer(models[role]) for role in models}
+    tokenizer_problems = compare_tokenizers(tokenizers["target"], tokenizers["draft"])
     if tokenizer_problems:
         report.errors.append("draft.model: tokenizer differs from target (" + "; ".join(tokenizer_problems)
                              + "); pick a draft from the same model family")
-    elif "draft" in models:
+    else:
         report.ok.append("tokenizers identical")
     t_vocab = (hf_configs["target"].get("text_config") or hf_configs["target"]).get("vocab_size")
-    d_vocab = (hf_configs["draft"].get("text_config") or hf_configs["draft"]).get("vocab_size") \
-        if "draft" in models else t_vocab
+    d_vocab = (hf_configs["draft"].get("text_config") or hf_configs["draft"]).get("vocab_size")
     # Fewer embedding rows than the (shared) tokenizer has tokens: every prompt holding a higher id fails.
+    tokens = len(tokenizers["target"])
     short = [(role, rows) for role, rows in (("target", t_vocab), ("draft", d_vocab))
-             if tokenizers and isinstance(rows, int) and rows < len(tokenizers["target"])]
+             if isinstance(rows, int) and rows < tokens]
     for role, rows in short:
-        report.errors.append(f"{role}.model: {rows} embedding rows (vocab_size) but the tokenizer has "
-                             f"{len(tokenizers['target'])} tokens, so ids {rows} and up would fail every request; "
-                             f"pick a {role} whose embeddings cover the tokenizer")
+        report.errors.append(f"{role}.model: {rows} embedding rows (vocab_size) but the tokenizer has {tokens} "
+                             f"tokens, so ids {rows} and up would fail every request; pick a {role} whose "
+                             f"embeddings cover the tokenizer")
     if t_vocab != d_vocab and not tokenizer_problems and not short:
         report.warnings.append(f"embedding rows differ (target {t_vocab}, draft {d_vocab}) although the tokenizers "
                                f"match; only the shared ids are compared")
+    _check_draft_vocab(hf_configs["draft"], d_vocab, backend, report)
 
-    if "draft" in models:
-        _check_draft_vocab(hf_configs["draft"], d_vocab, config.backend, report)
 
+def _check_limits(config: PipelineConfig, hf_configs: dict[str, dict], report: CheckReport) -> None:
+    """The build limits and dtypes the config leaves out, derived into the report; the lengths within both models'
+    position limits; and room for K draft tokens after the longest prompt."""
     limits = {role: max_positions(hf_configs[role]) for role in config.roles}
     build, report.defaults = resolve_build_limits(config.build, limits)
     report.build = build
@@ -244,25 +237,25 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     elif k <= MAX_DRAFT_LEN_LIMIT:
         report.ok.append(f"K = {k}, max_seq_len {build.max_seq_len}, max_input_len {build.max_input_len}")
 
+
+def _check_backend_settings(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:
+    """What only one backend can do: parallelism on trtllm, int8 weights on torch, and settings the other backend
+    would silently ignore."""
     if config.backend == "trtllm":
-        _check_parallel(config, hf_configs["target"], report)
+        _check_parallel(config, target_cfg, report)
         torch_only = [name for name, section in (("build.max_num_tokens", config.build),
                                                   ("build.kv_cache.max_tokens", config.build.kv_cache))
                       if name.rsplit(".", 1)[1] in section.model_fields_set]
         if torch_only:
             report.warnings.append(f"{', '.join(torch_only)}: set, but only the torch backend uses it (TensorRT-LLM "
                                    f"sizes its KV cache by build.kv_cache.free_gpu_mem_fraction)")
-    else:
-        _check_torch_quantization(config, report)
-        trtllm_only = sorted(TRTLLM_ONLY_KV & config.build.kv_cache.model_fields_set)
-        if trtllm_only:
-            report.warnings.append(f"build.kv_cache.{', '.join(trtllm_only)}: set, but only backend trtllm uses it "
-                                   f"(the torch backend's paged cache reads tokens_per_block, enable_block_reuse and "
-                                   f"max_tokens)")
-    if problem := bind_address_problem(config.serve.bind_address):
-        report.errors.append(problem)
-    report.warnings.extend(serve_exposure_warnings(config))
-    return report
+        return
+    _check_torch_quantization(config, report)
+    trtllm_only = sorted(TRTLLM_ONLY_KV & config.build.kv_cache.model_fields_set)
+    if trtllm_only:
+        report.warnings.append(f"build.kv_cache.{', '.join(trtllm_only)}: set, but only backend trtllm uses it "
+                               f"(the torch backend's paged cache reads tokens_per_block, enable_block_reuse and "
+                               f"max_tokens)")
 
 
 def serve_exposure_warnings(config: PipelineConfig) -> list[str]:
@@ -321,6 +314,8 @@ def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport)
     report.errors.extend(problems)
     tree = medusa.tree()
     name = medusa.choices if isinstance(medusa.choices, str) else "from the config"
+    if medusa.default_cut:
+        name = f"{name} cut to the {medusa.heads} heads (choices not set; its deeper nodes dropped)"
     role = "speculative.method: medusa" if method.needs_medusa_heads else \
         f"speculative.medusa: heads built in beside method {method.value!r} (requests may pick method medusa)"
     if not problems:

@@ -143,7 +143,24 @@ def _check_engines_dir(args) -> None:
                             f"(or will hold) engines/<name>/, such as engines")
 
 
+# Exit status after the reader of stdout went away (`python -m pipeline schema | head`), as a shell reports a
+# command killed by SIGPIPE: the output was cut by the reader's choice, so no traceback.
+BROKEN_PIPE_EXIT = 128 + 13
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe surfaces here, not as "Exception ignored" at interpreter exit
+    except BrokenPipeError:
+        # Python ignores SIGPIPE, so a write to a closed pipe raises; later writes (and the final flush) go nowhere.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return BROKEN_PIPE_EXIT
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

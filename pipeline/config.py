@@ -1,14 +1,17 @@
 """Typed pipeline configuration, loaded from one YAML file and validated before any work starts.
 
-Every section is a pydantic model with ``extra="forbid"``, so a misspelt key is an error rather than a silently
-ignored setting. Validation errors are rewritten by :func:`load_config` into one line per problem that names the
-field, the bad value and the fix.
+Every section is a pydantic model with ``extra="forbid"``, so a misspelt key is an error (naming the closest valid
+key) rather than a silently ignored setting. Validation errors are rewritten by :func:`load_config` into one line
+per problem that names the field, the bad value and the fix.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
+import types
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -96,7 +99,8 @@ class MedusaSpec(_Section):
     choices: str | list[list[int]] = Field(
         DEFAULT_TREE, description="The candidate tree: paths of ranks from the root ([[0], [0, 0], [1]]: head 0's "
                                   "best and second-best token, and head 1's best after the first), or a named tree: "
-                                  + ", ".join(NAMED_TREES) + ". Its depth is at most `heads`.")
+                                  + ", ".join(NAMED_TREES) + ". Its depth is at most `heads`; left out, the default "
+                                  "tree is cut to the heads there are.")
 
     @field_validator("choices")
     @classmethod
@@ -114,14 +118,25 @@ class MedusaSpec(_Section):
         depth = self.tree().max_depth
         if depth > self.heads:
             raise ValueError(f"speculative.medusa.choices: the tree is {depth} deep but there are {self.heads} heads "
-                             f"(depth d uses head d); drop the deeper paths or train more heads")
+                             f"(depth d uses head d); drop the deeper paths, train more heads, or leave choices out (the default "
+                             f"tree is then cut to the heads)")
         if self.tree().size - 1 > MAX_MEDUSA_NODES:
             raise ValueError(f"speculative.medusa.choices: {self.tree().size - 1} nodes, above {MAX_MEDUSA_NODES} "
                              f"(TensorRT-LLM's --max_medusa_token_len default); use a smaller tree")
         return self
 
+    @property
+    def default_cut(self) -> bool:
+        """The tree is the default one, cut to fewer heads than it is deep (choices not written)."""
+        return "choices" not in self.model_fields_set and TokenTree.from_choices(tree_paths(DEFAULT_TREE)).max_depth \
+            > self.heads
+
     def paths(self) -> list[list[int]]:
-        return tree_paths(self.choices)
+        paths = tree_paths(self.choices)
+        if "choices" not in self.model_fields_set:
+            # Dropping every path deeper than the heads keeps the tree whole: a kept path's prefixes are shorter.
+            paths = [path for path in paths if len(path) <= self.heads]
+        return paths
 
     def tree(self) -> TokenTree:
         return TokenTree.from_choices(self.paths())
@@ -362,11 +377,41 @@ def _loc_part(part: object) -> str:
     return short_repr(part)
 
 
+def _section_at(path: tuple) -> type[BaseModel] | None:
+    """The config section (pydantic model) that the keys at ``path`` belong to; None past the sections."""
+    section: type[BaseModel] = PipelineConfig
+    for part in path:
+        info = section.model_fields.get(part) if isinstance(part, str) else None
+        if info is None:
+            return None
+        annotation = info.annotation
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # ModelSpec | None
+            annotation = next((a for a in typing.get_args(annotation) if isinstance(a, type)
+                               and issubclass(a, BaseModel)), None)
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        section = annotation
+    return section
+
+
+def _unknown_key(loc: str, path: tuple) -> str:
+    """The message for a key no section has: the closest valid key (a typo), else the keys that section takes."""
+    section = _section_at(path[:-1])
+    keys = list(section.model_fields) if section is not None else []
+    close = difflib.get_close_matches(str(path[-1]), keys, n=1, cutoff=0.6) if path else []
+    if close:
+        return f"{loc}: unknown key; did you mean {close[0]!r}?"
+    where = ".".join(str(part) for part in path[:-1]) or "the top level"
+    if keys:
+        return f"{loc}: unknown key; remove it (the keys of {where}: {', '.join(keys)})"
+    return f"{loc}: unknown key; remove it (see `python -m pipeline schema`)"
+
+
 def _format_error(err: dict) -> str:
     loc = ".".join(_loc_part(part) for part in err["loc"]) or "<config>"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        return f"{loc}: unknown key; remove it or check the spelling (see `python -m pipeline schema`)"
+        return _unknown_key(loc, tuple(err["loc"]))
     if err["type"] == "missing":
         return f"{loc}: required but missing; add it to the config"
     value = err.get("input")

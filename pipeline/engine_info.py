@@ -1,8 +1,10 @@
 """engine.json, the description every backend's build writes beside its engine files, read and written here only.
 
-It holds what the executor, `deploy` and `bench` need to know about a built engine without loading it: the limits
-it was built for, its dtype, and the drafting method and lookup settings of the config it was built from (a method
-swap rebuilds nothing, so this is the method at build time; ``from_engines`` follows it unless told otherwise).
+It holds what the executor, `deploy` and `bench` need to know about a built engine without loading it: the backend,
+the limits it was built for (``max_draft_len`` is the engine_draft_len, see executor/request_values.py), its dtype,
+and the drafting method and lookup settings of the config it was built from (a method swap rebuilds nothing, so this
+is the method at build time; ``from_engines`` and ``open_executor`` without a config follow it unless told
+otherwise).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ class EngineInfo:
     max_batch_size: int
     max_input_len: int
     max_seq_len: int
-    max_draft_len: int  # K the engine verifies (0 for a draft)
+    max_draft_len: int  # engine_draft_len: the K the engine verifies (0 for a draft; a Medusa tree's depth)
     acceptance: str = "rejection"
     method: str | None = None  # speculative.method at build time (None: built before engine.json recorded it)
     ngram: dict | None = None  # speculative.ngram at build time
@@ -131,3 +133,13 @@ def read_engine(root: Path, role: str) -> EngineInfo:
     except (ValueError, UnicodeDecodeError) as exc:
         raise EngineError(f"{engine_file}: not valid JSON ({exc}); rebuild with --force") from None
     return EngineInfo.from_dict(data, engine_file)
+
+
+def read_draft_engine(root: Path, target: EngineInfo) -> EngineInfo:
+    """engine.json of the draft beside ``target`` (read_engine's checks), refused when it was built for another
+    config."""
+    draft = read_engine(root, "draft")
+    if target.config_name != draft.config_name:
+        raise EngineError(f"{root}: target engine was built for config {target.config_name!r} but the draft for "
+                          f"{draft.config_name!r}; rebuild both with one config")
+    return draft

@@ -157,6 +157,18 @@ def read_hf_config(model: ResolvedModel) -> dict:
     return data
 
 
+# Where config.json states the longest sequence the model was trained for, by the names model families use.
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+
+
+def max_positions(hf_config: dict) -> int | None:
+    text = hf_config.get("text_config") or hf_config
+    for key in POSITION_KEYS:
+        if isinstance(text.get(key), int):
+            return text[key]
+    return None
+
+
 def weight_files(model: ResolvedModel) -> list[Path]:
     """The weight files that would be loaded; refuses pickle files unless the config allows them."""
     if model.raw_gguf:
@@ -252,6 +264,26 @@ def load_tokenizer(model: ResolvedModel):
                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}); "
                          f"the tokenizer files are missing or truncated: re-save them with "
                          f"tokenizer.save_pretrained") from None
+
+
+def compare_tokenizers(target_tok, draft_tok) -> list[str]:
+    """Differences that make draft token ids meaningless to the target; empty when the two are identical."""
+    problems = []
+    target_vocab, draft_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if target_vocab != draft_vocab:
+        differing = sorted(t for t in set(target_vocab) | set(draft_vocab)
+                           if target_vocab.get(t) != draft_vocab.get(t))
+        example = differing[0] if differing else "?"
+        problems.append(f"token-to-id maps differ (vocab {len(target_vocab)} vs {len(draft_vocab)}, "
+                        f"{len(differing)} tokens differ, e.g. {example!r}: {target_vocab.get(example)} vs "
+                        f"{draft_vocab.get(example)})")
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a != b:
+            problems.append(f"{attr} differs ({a} vs {b})")
+    if sorted(target_tok.all_special_tokens) != sorted(draft_tok.all_special_tokens):
+        problems.append("special tokens differ")
+    return problems
 
 
 def torch_dtype(name: str):

@@ -2,12 +2,15 @@
 
 Raw prompts (--prompt, --prompts-file) are tokenized as they are and printed with their continuation; chats
 (--chat, --messages, with --system) go through the tokenizer's chat template (pipeline.chat), stop at the end of the
-assistant's turn, and print the reply alone.
+assistant's turn, and print the reply alone. Every prompt runs in one batch; each one's speed is printed (and in
+--json: ttft_ms, seconds, tokens_per_s): its tokens over the time to its last token, and its time to first token,
+both from the start of the batch.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,33 +74,57 @@ CLI_NAMES = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature
              "top_p": "--top-p", "seed": "--seed", "max_draft_len": "--max-draft-len"}
 
 
-def proposer_options(config) -> dict:
-    """from_engines keywords for the config's drafting method (a method swap rebuilds nothing, so the config's
-    current one, not the one recorded at build time)."""
-    spec = config.speculative
-    return dict(method=spec.method, ngram=spec.ngram.settings())
-
-
 def load_executor(config, engines_dir: Path):
     """The executor on this config's engines, after checking they were built from this very config."""
-    from .executor import SpeculativeExecutor
-    from .stages import verify_engines
+    from .executor import open_executor
 
-    verify_engines(config, engines_dir)
-    proposer = proposer_options(config)
-    if config.backend == "torch":
-        device = None if config.runtime.device == "auto" else config.runtime.device
-        return SpeculativeExecutor.from_engines(engines_dir / config.name, device=device,
-                                                compile=config.runtime.torch_compile, **proposer)
-    return SpeculativeExecutor.from_engines(engines_dir / config.name, **proposer)
+    return open_executor(engines_dir / config.name, config)
+
+
+@dataclass
+class RunTiming:
+    """When one request's tokens arrived, in seconds from the start of the call that ran it."""
+
+    first_s: float | None = None  # its first token: the time to first token (TTFT)
+    last_s: float = 0.0  # its last token
+    tokens: int = 0
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.last_s if self.tokens and self.last_s > 0 else None
+
+    def arrived(self, count: int, now: float) -> None:
+        if count > 0:
+            self.first_s = now if self.first_s is None else self.first_s
+            self.last_s, self.tokens = now, self.tokens + count
+
+    def to_dict(self) -> dict:
+        """The fields `run --json` adds to each result."""
+        rate = self.tokens_per_s
+        return {"ttft_ms": None if self.first_s is None else round(self.first_s * 1000, 1),
+                "seconds": round(self.last_s, 4), "tokens_per_s": None if rate is None else round(rate, 2)}
+
+    def summary(self) -> str:
+        rate, first = self.tokens_per_s, self.first_s
+        return (f"{'-' if rate is None else f'{rate:.1f}'} tok/s, TTFT "
+                f"{'-' if first is None else f'{first * 1000:.0f} ms'}")
+
+
+def timed_run(executor, requests: list) -> tuple[list, list[RunTiming], float]:
+    """``executor.run(requests)`` (one batch) with a clock on every step: the results, each request's timing, and
+    the batch's wall seconds. run() is this same loop over the executor's per-step events, without the clock."""
+    import time
+
+    start = time.perf_counter()
+    timings = {id(request): RunTiming() for request in requests}
+    for request, event in executor._events(requests):
+        timings[id(request)].arrived(len(event.token_ids), time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    return [request.result(executor.decode) for request in requests], [timings[id(r)] for r in requests], wall
 
 
 def cmd_run(args) -> int:
-    import sys
-
     from .config import load_config
-    from .executor import GenerationStats
-
     from .executor.request_values import validate_request
 
     # The executor's rules, checked before anything loads, named as the flags are spelled.
@@ -120,31 +147,53 @@ def cmd_run(args) -> int:
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                    top_p=args.top_p, seed=args.seed, max_draft_len=args.max_draft_len)
     if args.stream:
-        if not items[0].is_chat:
-            print(prompts[0], end="", flush=True)
-        event = None
-        for event in executor.generate_stream(prompts[0], stop_token_ids=turn_end if items[0].is_chat else None,
-                                              **options):
-            print(event.text, end="", flush=True)
-        print()
-        if event is not None:
-            print(f"[{event.finish_reason}] {event.stats.summary()}")
-        return 0
-    results = executor.run([executor.new_request(prompt, stop_token_ids=turn_end if item.is_chat else None,
-                                                  with_text=False, **options)
-                            for item, prompt in zip(items, prompts)])
+        return _stream(executor, items[0], prompts[0], turn_end if items[0].is_chat else None, options)
+    results, timings, wall = timed_run(executor, [
+        executor.new_request(prompt, stop_token_ids=turn_end if item.is_chat else None, with_text=False, **options)
+        for item, prompt in zip(items, prompts)])
     if args.json:
-        print(json.dumps([r.to_dict() for r in results], indent=2))
+        print(json.dumps([{**r.to_dict(), **t.to_dict()} for r, t in zip(results, timings)], indent=2))
         return 0
+    _print_results(items, results, timings, wall)
+    return 0
+
+
+def _stream(executor, item, prompt, stop_token_ids, options: dict) -> int:
+    """Print the first prompt's tokens as each step accepts them, then its statistics and speed."""
+    import time
+
+    if not item.is_chat:
+        print(prompt, end="", flush=True)
+    event, timing, start = None, RunTiming(), time.perf_counter()
+    for event in executor.generate_stream(prompt, stop_token_ids=stop_token_ids, **options):
+        timing.arrived(len(event.token_ids), time.perf_counter() - start)
+        print(event.text, end="", flush=True)
+    print()
+    if event is not None:
+        print(f"[{event.finish_reason}, {timing.tokens} tokens, {timing.summary()}] {event.stats.summary()}")
+    return 0
+
+
+def _print_results(items: list[PromptItem], results: list, timings: list[RunTiming], wall: float) -> None:
+    """Each prompt's text (a chat's reply alone), statistics and speed, then the batch's totals."""
+    import statistics
+
+    from .executor import GenerationStats
+
     total = GenerationStats()
-    for i, (item, result) in enumerate(zip(items, results)):
+    for i, (item, result, timing) in enumerate(zip(items, results, timings)):
         if item.is_chat:  # the reply alone: the rendered template is the model's business, not the reader's
             print(f"--- chat {i} ({result.prompt_tokens} prompt tokens) ---")
             print(result.text)
         else:
             print(f"--- prompt {i} ({result.prompt_tokens} tokens) ---")
             print(item.text + result.text)
-        print(f"[{result.finish_reason}, {len(result.token_ids)} tokens] {result.stats.summary()}")
+        print(f"[{result.finish_reason}, {len(result.token_ids)} tokens, {timing.summary()}] "
+              f"{result.stats.summary()}")
         total = total.merge(result.stats)
-    print(f"=== total: {total.summary()}", file=sys.stdout)
-    return 0
+    tokens = sum(t.tokens for t in timings)
+    firsts = [t.first_s for t in timings if t.first_s is not None]
+    speed = f"{tokens} tokens in {wall:.2f} s, {tokens / wall:.1f} tok/s" if wall > 0 else f"{tokens} tokens"
+    ttft = f", TTFT median {statistics.median(firsts) * 1000:.0f} ms" if firsts else ""
+    batch = f" ({len(items)} prompts in one batch)" if len(items) > 1 else ""
+    print(f"=== total: {speed}{batch}{ttft}; {total.summary()}")

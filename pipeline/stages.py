@@ -1,8 +1,10 @@
-"""check, convert and build for the config's roles (the target, and the draft unless speculative.method is ngram),
-each output under engines/<name>/<role>/<stage>/ with a manifest.
+"""check, convert and build for the config's roles (the target, and the draft when speculative.method drafts with a
+model), each output under engines/<name>/<role>/<stage>/ with a manifest.
 
 A later stage reads the earlier stage's manifest (never the user's YAML again) and keys its own output on that
-manifest's input key, so editing the config or the source model invalidates exactly what depends on it.
+manifest's input key, so editing the config or the source model invalidates exactly what depends on it. What part of
+the config a role's output depends on is built_config.role_config; opening the engines (pipeline.executor.open)
+checks a config against it without this module.
 """
 
 from __future__ import annotations
@@ -10,13 +12,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .artifacts import StageResult, build_lock, content_hashes, read_manifest, run_stage, verify_outputs
+from .artifacts import StageResult, build_lock, completed_manifest, content_hashes, run_stage
 from .backends import get_backend
+from .built_config import check_built_from, role_config
 from .checks import CheckReport, check_pair, with_resolved_defaults
 from .config import PipelineConfig
-from .errors import EngineError
 from .layout import Layout
 from .models import resolve_model, weight_files
+
 
 def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport:
     report = check_pair(config, with_weights=with_weights)
@@ -30,19 +33,6 @@ def run_check(config: PipelineConfig, with_weights: bool = False) -> CheckReport
     return report
 
 
-def _role_config(config: PipelineConfig, role: str) -> dict:
-    """The part of the config a role's output depends on; the other role's settings must not invalidate it."""
-    data = config.resolved()
-    # Only what an engine is built for: the proposer (speculative.method, ngram) is chosen at run time, so swapping
-    # it is a YAML edit that rebuilds nothing.
-    speculative = {key: data["speculative"][key] for key in ("max_draft_len", "acceptance")}
-    if role == "target" and config.has_medusa_heads:
-        # Medusa heads are part of the target's engine (its convert takes them, its build verifies their tree).
-        speculative["medusa"] = data["speculative"]["medusa"]
-    return {"name": config.name, "backend": config.backend, "model": data[role],
-            "speculative": speculative, "build": data["build"]}
-
-
 def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
                  verify: bool = False) -> StageResult:
     model = resolve_model(getattr(config, role), role, config.base_dir, with_weights=True)
@@ -53,20 +43,12 @@ def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool 
     if role == "target" and config.has_medusa_heads:
         inputs["medusa_files"] = content_hashes(config.medusa_dir())
     backend = get_backend(config.backend)
-    role_cfg = _role_config(config, role)
+    role_cfg = role_config(config, role)
     medusa = role_cfg.pop("speculative").get("medusa")  # a conversion does not depend on K
     if medusa is not None:
         role_cfg["medusa"] = medusa
     return run_stage("convert", role, layout.stage_dir(role, "convert"), inputs, role_cfg,
                      lambda tmp: backend.convert(config, role, model, tmp), force=force, verify=verify)
-
-
-def _completed(layout: Layout, role: str, stage: str) -> dict:
-    folder = layout.stage_dir(role, stage)
-    manifest = read_manifest(folder) if folder.exists() else None
-    if manifest is None:
-        raise EngineError(f"{folder}: no completed {stage} output; run `python -m pipeline {stage} CONFIG` first")
-    return manifest
 
 
 def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = False,
@@ -77,37 +59,18 @@ def build_role(config: PipelineConfig, layout: Layout, role: str, force: bool = 
     out_dir = layout.stage_dir(role, "build")
     if dry_run:
         return backend.build_plan(config, role, checkpoint_dir, out_dir)
-    convert_manifest = _completed(layout, role, "convert")
+    convert_manifest = completed_manifest(layout.stage_dir(role, "convert"), "convert")
     inputs = {"convert_key": convert_manifest["input_key"], "convert_outputs": convert_manifest["outputs"]}
-    return run_stage("build", role, out_dir, inputs, _role_config(config, role),
+    return run_stage("build", role, out_dir, inputs, role_config(config, role),
                      lambda tmp: backend.build(config, role, checkpoint_dir, tmp), force=force, verify=verify)
 
 
 def verify_engines(config: PipelineConfig, engines_dir: Path) -> Layout:
-    """Refuse engines that are missing, incomplete, modified since they were built (files deleted, truncated or
-    edited: checked by size, and by hash for the small metadata files), or built from a config other than this
-    one."""
+    """Refuse engines that are missing, incomplete, modified since they were built, or built from a config other
+    than this one (see built_config.check_built_from: the models are not read again)."""
     layout = Layout.for_config(config, engines_dir)
-    config = with_resolved_defaults(config)  # the build manifests hold the limits and dtypes built with
-    for role in config.roles:
-        folder = layout.stage_dir(role, "build")
-        manifest = _completed(layout, role, "build")
-        verify_outputs(folder, manifest)  # before anything reads engine.json or the weights
-        built_with, wanted = manifest.get("config", {}), _role_config(config, role)
-        if built_with != wanted:
-            field, old, new = _first_difference(built_with, wanted)
-            raise EngineError(f"{folder}: built from a different config ({role} {field}: {old!r} then, "
-                              f"{new!r} now); rebuild with `python -m pipeline build CONFIG` or "
-                              f"`make build-engines CONFIG=...`")
+    check_built_from(config, layout.root)
     return layout
-
-
-def _first_difference(old: object, new: object, prefix: str = "") -> tuple[str, object, object]:
-    if isinstance(old, dict) and isinstance(new, dict):
-        for key in sorted(set(old) | set(new)):
-            if old.get(key) != new.get(key):
-                return _first_difference(old.get(key), new.get(key), f"{prefix}.{key}" if prefix else key)
-    return prefix or "<root>", old, new
 
 
 def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...], force: bool = False,

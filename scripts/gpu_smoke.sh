@@ -57,7 +57,7 @@ command -v trtllm-build >/dev/null || { echo "FAIL: trtllm-build not on PATH"; e
 python3 -c "import pytest, tritonclient.grpc" 2>/dev/null || {
   echo "FAIL: pytest or tritonclient is missing; pip install pytest 'tritonclient[grpc]', then rerun"; exit 1; }
 # -m gpu selects only the checks against the installed release; a skip there means a missing piece, so fail on it.
-python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/test_trtllm_contract.py tests/test_trtllm_templates.py \
+python3 -m pytest -q -p no:cacheprovider -m gpu -rs tests/backends/test_trtllm_api.py tests/triton/test_trtllm_repo.py \
   | tee "$SMOKE_DIR/contract.log"
 if grep -q "SKIPPED" "$SMOKE_DIR/contract.log"; then
   echo "FAIL: some GPU contract checks were skipped (see above); run inside the container"; exit 1

@@ -29,9 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("engines", help="engines/<name> folder built by the trtllm backend")
     parser.add_argument("--tokens", type=int, default=128, help="new tokens per prompt")
     args = parser.parse_args(argv)
-    from pipeline.executor import SpeculativeExecutor
+    from pipeline.executor import open_executor
 
-    ex = SpeculativeExecutor.from_engines(args.engines)
+    ex = open_executor(args.engines)
     greedy = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, seed=0)  # what ModelRunnerEngine reads
 
     def next_logits(ids: list[int]):

@@ -230,3 +230,17 @@ def test_serving_beyond_loopback_without_a_key_or_host_names_is_warned_about():
     named = parse_config(minimal(serve={"bind_address": "0.0.0.0", "api_key_env": "KEY",
                                         "allowed_hosts": ["models.example:8000"]}))
     assert serve_exposure_warnings(named) == []
+
+
+def test_check_says_when_the_default_medusa_tree_is_cut_to_the_heads(tiny_pair, tmp_path):
+    from pipeline.medusa_heads import MedusaHeads
+
+    target = json.loads((tiny_pair / "target" / "config.json").read_text())
+    MedusaHeads(3, 1, target["hidden_size"], target["vocab_size"]).save(tmp_path / "heads")
+    data = tiny_config_dict(tiny_pair, name="medusa3")
+    data.pop("draft")
+    data["speculative"] = {"method": "medusa", "medusa": {"model": str(tmp_path / "heads"), "heads": 3}}
+    report = check_pair(load_config(write_config(tmp_path, data)))
+    assert not report.errors, report.errors
+    line = next(line for line in report.ok if "speculative.method: medusa" in line)
+    assert "mc_sim_7b_63 cut to the 3 heads" in line and "61 nodes, depth 3" in line, line

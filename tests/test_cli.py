@@ -48,6 +48,33 @@ def test_schema_prints_json():
     assert result.returncode == 0 and json.loads(result.stdout)["title"] == "PipelineConfig"
 
 
+def _run_into_closed_pipe(*args: str):
+    """Run `python -m pipeline ARGS` with stdout a pipe whose reader is already gone (`... | head` after head has
+    quit): every write to it fails with EPIPE."""
+    import os
+    import subprocess
+
+    from tests.conftest import PY, REPO
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run([PY, "-m", "pipeline", *args], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("args, code", [(("schema",), 141), (("--help",), 0), (("check", "--help"), 0)],
+                         ids=lambda v: " ".join(v) if isinstance(v, tuple) else str(v))
+def test_output_into_a_closed_pipe_is_no_traceback(args, code):
+    """`python -m pipeline schema | head`: the reader going away ends the command quietly, with nothing on stderr
+    (a BrokenPipeError traceback, or "Exception ignored" at exit, fails here); a command's output cut this way exits
+    141 as a shell reports SIGPIPE, while argparse's help ignores the failed write and exits 0."""
+    result = _run_into_closed_pipe(*args)
+    assert result.stderr == "" and result.returncode == code, (result.returncode, result.stderr[-2000:])
+
+
 def test_bad_config_exits_nonzero_with_one_line(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("name: t\ntarget: {model: a/b}\ndraft: {model: a/c}\nspeculative: {max_draft_len: 0}\n")

@@ -70,8 +70,8 @@ def test_defaults():
     (minimal(speculative={"acceptance": "fuzzy"}), ["speculative.acceptance", "'fuzzy'", "greedy", "rejection"]),
     (minimal(backend="onnx"), ["backend", "'onnx'", "torch", "trtllm"]),
     (minimal(target={"model": "x/y", "dtype": "int3"}), ["target.dtype", "'int3'"]),
-    (minimal(target={"model": "x/y", "modle": 1}), ["target.modle", "unknown key", "spelling"]),
-    (minimal(colour="red"), ["colour", "unknown key"]),
+    (minimal(target={"model": "x/y", "modle": 1}), ["target.modle: unknown key; did you mean 'model'?"]),
+    (minimal(colour="red"), ["colour: unknown key; remove it (the keys of the top level: name, backend, target,"]),
     ({"name": "t", "target": {"model": "a/b"}}, ["draft", "required", "add"]),
     (minimal(build={"max_input_len": 4096, "max_seq_len": 2048}), ["build.max_input_len", "4096", "max_seq_len"]),
     (minimal(build={"parallel": {"tp": 0}}), ["build.parallel.tp", "0"]),
@@ -94,6 +94,29 @@ def test_bad_configs_name_field_value_and_fix(data, expected):
     assert "\n" not in message
     for part in expected:
         assert part in message, (part, message)
+
+
+@pytest.mark.parametrize("data, expected", [
+    (minimal(specualtive={"max_draft_len": 4}), "specualtive: unknown key; did you mean 'speculative'?"),
+    (minimal(Name="t"), "Name: unknown key; did you mean 'name'?"),
+    (minimal(draft={"model": "a/c", "dtyp": "auto"}), "draft.dtyp: unknown key; did you mean 'dtype'?"),
+    (minimal(speculative={"ngram": {"max_mtch": 3}}), "speculative.ngram.max_mtch: unknown key; did you mean "
+                                                      "'max_match'?"),
+    (minimal(speculative={"method": "medusa", "medusa": {"model": "h", "head": 3}}),
+     "speculative.medusa.head: unknown key; did you mean 'heads'?"),
+    (minimal(build={"kv_cache": {"tokens_per_blok": 64}}), "build.kv_cache.tokens_per_blok: unknown key; did you "
+                                                           "mean 'tokens_per_block'?"),
+    (minimal(serve={"metrics_prt": 9000}), "serve.metrics_prt: unknown key; did you mean 'metrics_port'?"),
+    (minimal(build={"parallel": {"ep": 2}}), "build.parallel.ep: unknown key; remove it (the keys of build.parallel: "
+                                             "tp, pp)"),
+])
+def test_unknown_key_suggests_the_closest_key_of_its_own_section(data, expected):
+    """A typo names the closest key of the section it sits in (top level and every nested section, optional ones
+    such as draft and speculative.medusa included), and a key like no other lists that section's keys; a
+    suggestion taken from the wrong section ('tp' for a top-level key) or none at all fails here."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert str(err.value) == f"<config>: {expected}"
 
 
 def test_all_problems_reported_at_once():
@@ -260,7 +283,8 @@ def test_medusa_needs_its_heads_and_a_tree_that_fits_them():
     assert config.speculative.medusa.tree().size == 64  # mc_sim_7b_63 by default, as TensorRT-LLM
     problems = {
         "required for speculative.method 'medusa'": {"method": "medusa"},
-        "4 deep but there are 2 heads": {"method": "medusa", "medusa": {"model": "h", "heads": 2}},
+        "4 deep but there are 2 heads": {"method": "medusa", "medusa": {"model": "h", "heads": 2,
+                                                                        "choices": "mc_sim_7b_63"}},
         "is not a named tree": {"method": "medusa", "medusa": {"model": "h", "choices": "tree9"}},
         "is not a path": {"method": "medusa", "medusa": {"model": "h", "choices": [[0], [0, -1]]}},
         "above 63": {"method": "medusa", "medusa": {"model": "h", "choices": [[i] for i in range(64)]}},
@@ -270,3 +294,20 @@ def test_medusa_needs_its_heads_and_a_tree_that_fits_them():
         data.pop("draft")
         with pytest.raises(ConfigError, match=message):
             parse_config(data)
+
+
+def test_medusa_default_tree_is_cut_to_the_heads_but_a_written_tree_is_not():
+    """medusa: {heads: 3} without choices: the default tree (4 deep) loses its depth-4 nodes instead of being
+    refused; a tree the user wrote that is deeper than the heads is still an error naming the fix."""
+    def medusa(**values):
+        return parse_config(minimal(speculative={"method": "medusa", "medusa": {"model": "heads", **values}})
+                            ).speculative.medusa
+
+    full = medusa()
+    cut = medusa(heads=3)
+    assert (full.default_cut, cut.default_cut) == (False, True)
+    assert full.tree().max_depth == 4 and cut.tree().max_depth == 3
+    assert cut.paths() == [path for path in full.paths() if len(path) <= 3] and cut.tree().size < full.tree().size
+    assert medusa(heads=1).paths() == [path for path in full.paths() if len(path) == 1]
+    with pytest.raises(ConfigError, match="leave choices out"):
+        medusa(heads=3, choices="mc_sim_7b_63")

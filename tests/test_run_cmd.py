@@ -2,12 +2,14 @@
 
 Bad options or prompt files (issue 12, items h and m) are one `error:` line, refused the way the server refuses the same
 values, before any model is loaded. Chats (`--chat / --messages / --system`) on a tiny pair whose tokenizer has a chat
-template (tests/chat_helpers.py) reply exactly what the executor's own generate gives on the encoded chat.
+template (tests/chat_helpers.py) reply exactly what the executor's own generate gives on the encoded chat. Every run
+reports its speed: tokens/s and time to first token, per prompt and for the batch (and in --json).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -137,3 +139,39 @@ def test_run_chat_errors_come_before_anything_loads(tmp_path, capsys, args, expe
 def test_run_without_engines_says_what_to_do(tiny_config, tmp_path):
     result = run_cli("run", str(tiny_config), "--engines-dir", str(tmp_path / "none"), "--prompt", "x")
     assert result.returncode == 2 and "no completed build output" in result.stderr and "pipeline build" in result.stderr
+
+
+def test_run_reports_speed_per_prompt_and_for_the_batch(chat_engines, capsys):
+    """tokens/s and time to first token: in --json as fields of each result, in text on each prompt's line and
+    for the batch."""
+    config, engines = chat_engines
+    assert main(["run", str(config), "--engines-dir", str(engines), "--prompt", "def f(x):", "--prompt", "import os",
+                 "--max-new-tokens", "8", "--json"]) == 0
+    records = json.loads(capsys.readouterr().out)
+    for record in records:
+        tokens = len(record["token_ids"])
+        assert 0 < record["ttft_ms"] <= record["seconds"] * 1000
+        assert record["tokens_per_s"] == pytest.approx(tokens / record["seconds"], rel=0.01)
+    assert main(["run", str(config), "--engines-dir", str(engines), "--prompt", "def f(x):", "--prompt", "import os",
+                 "--max-new-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert len(re.findall(r"^\[(length|eos), \d+ tokens, [\d.]+ tok/s, TTFT \d+ ms\] drafted", out, re.M)) == 2
+    assert re.search(r"^=== total: \d+ tokens in [\d.]+ s, [\d.]+ tok/s \(2 prompts in one batch\), TTFT median \d+ "
+                     r"ms; drafted", out, re.M)
+    assert main(["run", str(config), "--engines-dir", str(engines), "--prompt", "def f(x):", "--max-new-tokens", "8",
+                 "--stream"]) == 0
+    assert re.search(r"^\[(length|eos), \d+ tokens, [\d.]+ tok/s, TTFT \d+ ms\] drafted", capsys.readouterr().out,
+                     re.M)
+
+
+def test_run_timing_starts_at_the_first_token_not_the_first_step():
+    from pipeline.run_cmd import RunTiming
+
+    timing = RunTiming()
+    timing.arrived(0, 0.1)  # a step that emitted nothing
+    assert timing.first_s is None and timing.tokens_per_s is None and timing.summary() == "- tok/s, TTFT -"
+    timing.arrived(2, 0.25)
+    timing.arrived(3, 0.5)
+    assert (timing.first_s, timing.last_s, timing.tokens) == (0.25, 0.5, 5)
+    assert timing.to_dict() == {"ttft_ms": 250.0, "seconds": 0.5, "tokens_per_s": 10.0}
+    assert timing.summary() == "10.0 tok/s, TTFT 250 ms"

@@ -2,9 +2,12 @@
 
 Each backend module exposes:
   convert(config, role, model: ResolvedModel, out_dir) -> dict   facts for the manifest
-  build(config, role, checkpoint_dir, out_dir) -> dict           facts for the manifest (argv, limits)
+  build(config, role, checkpoint_dir, out_dir) -> dict           facts for the manifest (argv, limits, engine.json)
   build_plan(config, role, checkpoint_dir, out_dir) -> list[str] what build would run, for --dry-run
-The trtllm module is imported only when selected: TensorRT-LLM is absent on most machines.
+and may expose
+  convert_plan(config, role, out_dir) -> list[str]               what convert would run, for --dry-run (trtllm)
+The trtllm module is imported only when selected: TensorRT-LLM is absent on most machines. The backends' runtimes
+are in pipeline/executor/ (open_executor picks one by the backend engine.json names).
 """
 
 from __future__ import annotations

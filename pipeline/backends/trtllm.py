@@ -5,7 +5,7 @@ API -> checkpoint (for a Medusa target, the release's examples/medusa/convert_ch
 tensorrt_llm is imported lazily: planning (`build --dry-run`) works anywhere, and every step that needs
 TensorRT-LLM or a GPU raises BackendUnavailable with one line saying what is missing and how to get it.
 Helpers live in trtllm_api (pinned facts, argv), trtllm_preflight (engine checks), trtllm_runner (the engine
-runner over ModelRunnerCpp) and trtllm_loading (opening a built pair); the draft-target loop is
+runner over ModelRunnerCpp) and trtllm_loading (opening built engines); the draft-target loop is
 pipeline.executor.trtllm_executor, shared contract and all.
 """
 

@@ -1,4 +1,5 @@
-"""Open a pair of built TensorRT-LLM engines: pre-flight checks, then one runner (trtllm_runner) per engine."""
+"""Open built TensorRT-LLM engines (a target and its draft, or a target alone): pre-flight checks, then one runner
+(trtllm_runner) per engine."""
 
 from __future__ import annotations
 
@@ -6,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engine_info import EngineInfo, read_engine
-from ..errors import EngineError
+from ..engine_info import EngineInfo, read_draft_engine, read_engine
 from ..layout import Layout
 from ..methods import Method
 from .trtllm_api import TOKENIZER_DIR, import_tensorrt_llm, kv_cache_fractions, medusa_choices, require_cuda_gpu
@@ -15,17 +15,16 @@ from .trtllm_runner import EngineLimits, ModelRunnerEngine
 from .trtllm_preflight import (check_context_logits, check_medusa_mode, check_target_spec_mode, check_version,
                                preflight, raise_if_problems, read_engine_config)
 
-__all__ = ["TOKENIZER_DIR", "check_pair", "open_engines", "OpenedEngines"]
+__all__ = ["TOKENIZER_DIR", "preflight_pair", "open_engines", "OpenedEngines"]
 
 
-def check_pair(root: Path, installed_version: str | None, target_device_ids: list[int] | None = None,
-               draft_device_ids: list[int] | None = None) -> tuple[EngineInfo, EngineInfo]:
-    """engine.json of target and draft after every pre-flight check passed (raises EngineError otherwise)."""
+def preflight_pair(root: Path, installed_version: str | None, target_device_ids: list[int] | None = None,
+                   draft_device_ids: list[int] | None = None) -> tuple[EngineInfo, EngineInfo]:
+    """engine.json of a built target and draft, once every pre-flight check on the pair passed (raises EngineError
+    otherwise)."""
     layout = Layout(Path(root))
-    target, draft = read_engine(layout.root, "target"), read_engine(layout.root, "draft")
-    if target.config_name != draft.config_name:
-        raise EngineError(f"{layout.root}: target engine was built for config {target.config_name!r} but the "
-                          f"draft for {draft.config_name!r}; rebuild both with one config")
+    target = read_engine(layout.root, "target")
+    draft = read_draft_engine(layout.root, target)
     target_cfg = read_engine_config(layout.engine_dir("target"))
     draft_cfg = read_engine_config(layout.engine_dir("draft"))
     raise_if_problems(preflight(
@@ -36,9 +35,9 @@ def check_pair(root: Path, installed_version: str | None, target_device_ids: lis
     return target, draft
 
 
-def check_target_only(root: Path, installed_version: str | None) -> EngineInfo:
-    """engine.json of a target built without a draft (speculative.method ngram or medusa) after its pre-flight
-    checks."""
+def preflight_target(root: Path, installed_version: str | None) -> EngineInfo:
+    """engine.json of a target opened without a draft (speculative.method ngram or medusa), once its pre-flight
+    checks passed."""
     layout = Layout(Path(root))
     target = read_engine(layout.root, "target")
     engine = read_engine_config(layout.engine_dir("target"))
@@ -71,9 +70,9 @@ def open_engines(root, method: Method, target_device_ids: list[int] | None = Non
     trtllm = import_tensorrt_llm("running TensorRT-LLM engines")
     require_cuda_gpu("running TensorRT-LLM engines")
     if not method.needs_draft_model:
-        target_info = check_target_only(layout.root, trtllm.__version__)
+        target_info = preflight_target(layout.root, trtllm.__version__)
     else:
-        target_info, _ = check_pair(layout.root, trtllm.__version__, target_device_ids, draft_device_ids)
+        target_info, _ = preflight_pair(layout.root, trtllm.__version__, target_device_ids, draft_device_ids)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(layout.engine_dir("target") / TOKENIZER_DIR)
@@ -96,6 +95,7 @@ def open_engines(root, method: Method, target_device_ids: list[int] | None = Non
                               context_len) if method.needs_draft_model else None
     target = ModelRunnerEngine(layout.engine_dir("target"), target_ids, target_kv, reuse, rejection, eos, pad,
                                context_len, medusa_choices=tree)
-    limits = EngineLimits(target_info.max_input_len, target_info.max_seq_len, target_info.max_draft_len)
+    limits = EngineLimits(target_info.max_input_len, target_info.max_seq_len,
+                          engine_draft_len=target_info.max_draft_len)
     return OpenedEngines(target, draft, tokenizer, limits, target_info.acceptance, [eos] if eos is not None else [],
                          tree)

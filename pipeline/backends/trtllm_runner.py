@@ -38,9 +38,11 @@ class TrtllmRunner(Protocol):
 
 @dataclass(frozen=True)
 class EngineLimits:
+    """What a built target takes: engine.json's max_input_len, max_seq_len and max_draft_len."""
+
     max_input_len: int
     max_seq_len: int
-    max_draft_len: int  # K the target engine was built for
+    engine_draft_len: int  # K the target engine was built for (engine.json's max_draft_len)
 
 
 class ModelRunnerEngine:

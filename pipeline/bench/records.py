@@ -6,7 +6,12 @@ Record fields (results.json):
   k                    draft tokens per step (0 = no draft; "auto" for dynamic K, "policy" for adaptive)
   set, prompt_set      the prompt set: a built-in one or a `set` label of a --prompts file (the same value)
   tokens_per_s         median over repeats of (tokens emitted / wall seconds) over all prompts
+  tokens_per_s_min/max, tokens_per_s_by_repeat   the same rate per repeat: its spread, and each value
   speedup_vs_target    tokens_per_s / tokens_per_s of target-only decoding on our runtime (same prompts)
+  speedup_by_repeat, speedup_min/max, spread   each repeat's rate over target-only's in the same repeat, their
+                       range (holding speedup_vs_target) and its width over speedup_vs_target (spread.py)
+  rate_spread          (fastest - slowest repeat's tokens_per_s) / tokens_per_s: on target-only, the machine's drift
+  noisy, noise         whether the cell is noisy (its spread, or off its K trend) and why (spread.py)
   acceptance_rate      accepted / drafted draft tokens (GenerationStats.acceptance_rate)
   alpha                per-token acceptance rate, geometric maximum-likelihood (analytic.alpha_from_steps)
   mean_accepted_len    tokens emitted per target step (1.0 = plain decoding)
@@ -34,6 +39,7 @@ from collections.abc import Sequence
 
 from ..speculative.analytic import alpha_from_steps, speedup_bound, step_cost
 from .measure import Sample
+from .spread import add_spread, flag_noisy
 from .timing import CostTerms, percentile
 
 
@@ -80,6 +86,8 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
     return {
         "method": method, "k": k, "set": prompt_set, "prompt_set": prompt_set,
         "tokens_per_s": _round(statistics.median(throughputs), 2),
+        "tokens_per_s_min": _round(min(throughputs), 2), "tokens_per_s_max": _round(max(throughputs), 2),
+        "tokens_per_s_by_repeat": [_round(x, 2) for x in throughputs],
         "speedup_vs_target": None,  # filled by finish_records once target-only is known
         "acceptance_rate": _round(accepted / drafted if drafted else 0.0),
         "alpha": _round(alpha),
@@ -98,28 +106,33 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
 
 
 def finish_records(records: list[dict]) -> list[dict]:
-    """Fill speedup_vs_target and efficiency, per prompt set, against our runtime's target-only record."""
-    baselines = {r["prompt_set"]: r["tokens_per_s"] for r in records if r["method"] == "target"}
+    """Fill speedup_vs_target, its range over the repeats and efficiency, per prompt set, against our runtime's
+    target-only record; then flag the noisy cells (spread.py)."""
+    targets = {r["prompt_set"]: r for r in records if r["method"] == "target"}
     hf_baselines = {r["prompt_set"]: r["tokens_per_s"] for r in records if r["method"] == "hf_target"}
     for record in records:
-        base = baselines.get(record["prompt_set"])
+        target = targets.get(record["prompt_set"])
+        base = target["tokens_per_s"] if target else None
         if not base:
             continue
         speedup = record["tokens_per_s"] / base
         record["speedup_vs_target"] = _round(speedup)
+        add_spread(record, target)
         record["efficiency"] = _round(speedup / record["bound_speedup"]) if record["bound_speedup"] else None
         record["efficiency_refined"] = (_round(speedup / record["bound_speedup_refined"])
                                         if record["bound_speedup_refined"] else None)
         hf_base = hf_baselines.get(record["prompt_set"])
         if record["method"].startswith("hf_") and hf_base:
             record["speedup_vs_hf_target"] = _round(record["tokens_per_s"] / hf_base)
-    return records
+    return flag_noisy(records)
 
 
 # "weights" tells the rows of different weight types apart (ours: the target's; llama.cpp's: one per GGUF).
 _COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", "{}"), ("precision", "weights", "{}"),
             ("tokens_per_s", "tok/s", "{:.1f}"), ("weight_gbs", "weight GB/s", "{:.1f}"),
             ("speedup_vs_target", "speedup", "{:.2f}x"),
+            ("speedup_min", "min-max", lambda r: f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}"),
+            ("noisy", "noisy", lambda r: "noisy" if r["noisy"] else ""),
             ("acceptance_rate", "accept", "{:.2f}"), ("alpha", "alpha", "{:.2f}"),
             ("mean_accepted_len", "tok/step", "{:.2f}"), ("cost_ratio_c", "c", "{:.2f}"),
             ("verify_cost_ratio", "verify", "{:.2f}"), ("bound_speedup", "bound", "{:.2f}x"),
@@ -128,10 +141,16 @@ _COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", 
             ("ttft_ms", "ttft ms", "{:.1f}"), ("fraction_of_memory_bound", "of mem bound", "{:.2f}")]
 
 
+def _cell(record: dict, key: str, fmt) -> str:
+    if record.get(key) is None:
+        return "-"
+    return fmt(record) if callable(fmt) else fmt.format(record[key])
+
+
 def format_table(records: list[dict]) -> str:
     """Records as an aligned text table."""
     header = [title for _, title, _ in _COLUMNS]
-    rows = [[("-" if r.get(key) is None else fmt.format(r[key])) for key, _, fmt in _COLUMNS] for r in records]
+    rows = [[_cell(r, key, fmt) for key, _, fmt in _COLUMNS] for r in records]
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(header)]
     fmt_row = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([fmt_row(header)] + [fmt_row(row) for row in rows])

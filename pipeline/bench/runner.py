@@ -2,7 +2,7 @@
 
 Methods (all greedy, batch 1):
   target       our runtime with max_draft_len=0: the baseline every speedup is measured against
-  speculative  our runtime with K = 1..k_max
+  speculative  our runtime at each K of the sweep (BenchOptions.swept: --k-values within 1..k_max)
   dynamic      our runtime with max_draft_len="auto" (the executor picks K per step)
   ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
   ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
@@ -13,11 +13,13 @@ Methods (all greedy, batch 1):
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
   hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
   hf_lookup    Hugging Face generate(prompt_lookup_num_tokens=K) at the executor's K: the peer of ngram
-(Without a draft model, speculative.method: ngram, only target, ngram at K = 1..min(the executor's K, k_max),
+(Without a draft model, speculative.method: ngram, only target, ngram at the sweep's K up to the executor's K,
 adaptive, hf_target and hf_lookup run. The Hugging Face methods need the torch models: not on TensorRT-LLM engines.)
 
-Repeats are interleaved (repeat 1 of every method, then repeat 2, ...) so that load from other processes on a
-shared machine spreads over all methods instead of penalising whichever ran during the burst.
+A run: a short warm-up of every method, the cost terms (timing.py), one calibration generation per method (so the
+caller can say how long the run will take before it starts), then the timed repeats. Repeats are interleaved
+(repeat 1 of every method, then repeat 2, ...) so that load from other processes on a shared machine spreads over
+all methods instead of penalising whichever ran during the burst.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from ..methods import Method
@@ -39,69 +42,91 @@ from .timing import CostTerms, measure_call_costs, measure_costs
 @dataclass
 class BenchOptions:
     prompt_sets: list[str]
-    max_new_tokens: int = 64
-    num_prompts: int = 8
+    max_new_tokens: int = 32
+    num_prompts: int = 4
     k_max: int = 8
     repeats: int = 3
     skip_hf: bool = False
     cost_repeats: int = 20
+    k_values: list[int] | None = None  # the K of the sweeps (None: every K = 1..k_max); cost terms cover 1..k_max
+
+    def swept(self, limit: int | None = None) -> list[int]:
+        """The sweep's K values, within k_max and ``limit``."""
+        top = self.k_max if limit is None else min(self.k_max, limit)
+        return [k for k in (self.k_values or range(1, self.k_max + 1)) if 1 <= k <= top]
 
 
 @dataclass
 class BenchMethod:
     name: str
     k: int | str
-    run: Callable[[list[int]], Sample]
+    run: Callable[[list[int], int], Sample]  # (prompt ids, max new tokens) -> one timed generation
+
+    @property
+    def key(self) -> tuple[str, int | str]:
+        return self.name, self.k
 
 
-def build_methods(executor, options: BenchOptions, max_new_tokens: int) -> list[BenchMethod]:
+WARMUP_TOKENS = 8  # enough steps to reach every code path of a method; the one-off costs are per call, not per token
+
+
+def build_methods(executor, options: BenchOptions) -> list[BenchMethod]:
+    """Every method the run measures, cheap to build (nothing runs until a method is called)."""
     with_draft = executor.has_draft_model
-    methods = [BenchMethod("target", 0, lambda ids: stream_sample(executor, ids, max_new_tokens, 0))]
+    ours = partial(_ours, executor)
+    methods = [BenchMethod("target", 0, ours(0))]
     if with_draft:
-        for k in range(1, options.k_max + 1):
-            methods.append(BenchMethod("speculative", k,
-                                       lambda ids, k=k: stream_sample(executor, ids, max_new_tokens, k)))
-        methods.append(BenchMethod("dynamic", "auto",
-                                   lambda ids: stream_sample(executor, ids, max_new_tokens, "auto")))
+        methods += [BenchMethod("speculative", k, ours(k)) for k in options.swept()]
+        methods.append(BenchMethod("dynamic", "auto", ours("auto")))
     lookup_k = min(executor.max_draft_len, options.k_max)
     for proposer in (Method.NGRAM, Method.NGRAM_DRAFT) if with_draft else (Method.NGRAM,):
         # Without a draft model the lookup is the method under test: sweep its K as the draft's K is swept.
-        for k in ([lookup_k] if with_draft else range(1, lookup_k + 1)):
-            methods.append(BenchMethod(proposer.value, k, lambda ids, p=proposer, k=k: stream_sample(
-                executor, ids, max_new_tokens, k, method=p)))
+        for k in ([lookup_k] if with_draft else options.swept(lookup_k)):
+            methods.append(BenchMethod(proposer.value, k, ours(k, proposer)))
     if getattr(executor, "has_medusa_heads", False):  # heads on the target: its tree's depth is K
         depth = executor.engine.proposers[Method.MEDUSA].tree.max_depth if hasattr(executor, "engine") \
             else executor.max_draft_len
-        methods.append(BenchMethod(Method.MEDUSA.value, depth, lambda ids: stream_sample(
-            executor, ids, max_new_tokens, depth, method=Method.MEDUSA)))
+        methods.append(BenchMethod(Method.MEDUSA.value, depth, ours(depth, Method.MEDUSA)))
     if hasattr(executor, "engine"):
-        methods.append(BenchMethod("adaptive", "policy", adaptive_runner(executor, max_new_tokens)))
+        methods.append(BenchMethod("adaptive", "policy", adaptive_runner(executor)))
     if not options.skip_hf:
-        target = executor.target.model
-        draft = executor.draft.model if with_draft else None
-        pad = getattr(executor.tokenizer, "pad_token_id", None)
-        methods.append(BenchMethod("hf_target", 0,
-                                   lambda ids: hf_sample(target, None, ids, max_new_tokens, 0, pad)))
-        if with_draft:
-            for k in range(1, options.k_max + 1):
-                methods.append(BenchMethod("hf_assisted", k,
-                                      lambda ids, k=k: hf_sample(target, draft, ids, max_new_tokens, k, pad)))
-        methods.append(BenchMethod("hf_lookup", lookup_k, lambda ids: hf_sample(
-            target, None, ids, max_new_tokens, lookup_k, pad, prompt_lookup=True)))
+        methods += hf_methods(executor, options.swept(), lookup_k)
     return methods
 
 
-def adaptive_runner(executor, max_new_tokens: int) -> Callable[[list[int]], Sample]:
+def _ours(executor, k: int | str | None, method: Method | None = None) -> Callable[[list[int], int], Sample]:
+    """A generation on our runtime at K = ``k`` (0: target only, "auto": dynamic) with ``method``'s proposer."""
+    return lambda ids, max_new_tokens: stream_sample(executor, ids, max_new_tokens, k, method=method)
+
+
+def hf_methods(executor, k_values: list[int], lookup_k: int) -> list[BenchMethod]:
+    """Hugging Face generate() on the same models: plain, assisted by the draft at each K, and prompt lookup."""
+    target = executor.target.model
+    draft = executor.draft.model if executor.has_draft_model else None
+    pad = getattr(executor.tokenizer, "pad_token_id", None)
+    methods = [BenchMethod("hf_target", 0, lambda ids, n: hf_sample(target, None, ids, n, 0, pad))]
+    if draft is not None:
+        methods += [BenchMethod("hf_assisted", k, lambda ids, n, k=k: hf_sample(target, draft, ids, n, k, pad))
+                    for k in k_values]
+    methods.append(BenchMethod("hf_lookup", lookup_k, lambda ids, n: hf_sample(
+        target, None, ids, n, lookup_k, pad, prompt_lookup=True)))
+    return methods
+
+
+def adaptive_runner(executor) -> Callable[[list[int], int], Sample]:
     """Runs a prompt with the engine's adaptive-K policy on, as `serve` does (K not named, so the policy's cap
-    applies); the policy is calibrated once and keeps what it measures across the benchmark's runs."""
+    applies); the policy is calibrated on the first call and keeps what it measures across the benchmark's runs."""
     from ..executor.draft_policy import DraftPolicy
 
     engine = executor.engine
     policy = DraftPolicy(executor.max_draft_len)
-    policy.calibrate(engine.target.model, engine.draft.model if engine.draft is not None else None, 1,
-                     engine.device, engine.vocab_size)
+    calibrated = []
 
-    def run(ids: list[int]) -> Sample:
+    def run(ids: list[int], max_new_tokens: int) -> Sample:
+        if not calibrated:
+            policy.calibrate(engine.target.model, engine.draft.model if engine.draft is not None else None, 1,
+                             engine.device, engine.vocab_size)
+            calibrated.append(True)
         before, engine.policy = engine.policy, policy
         try:
             return stream_sample(executor, ids, max_new_tokens, None)
@@ -121,32 +146,36 @@ def fit_prompt(executor, prompt: str, max_new_tokens: int) -> list[int]:
     return ids[-limit:]
 
 
-def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions,
-              note: Callable[[str], None] = print) -> tuple[list[dict], CostTerms, dict]:
-    """Measure every method on every prompt set; returns (records, cost terms, notes for results.json)."""
-    from tqdm import tqdm
-
-    notes: dict = {}
-    fitted = {name: [fit_prompt(executor, p, options.max_new_tokens) for p in prompts]
-              for name, prompts in prompt_sets.items()}
-    first = next(iter(fitted.values()))[0]
-    limit = getattr(executor, "draft_len_limit", None)
+def _fit_options(executor, options: BenchOptions, note: Callable[[str], None], notes: dict) -> None:
+    """Clip the sweep to the engine's K and leave out what these engines cannot run, saying so."""
+    limit = getattr(executor, "engine_draft_len", None)
     if limit is not None and options.k_max > limit:
-        note(f"note: the target engine was built for K <= {limit}; sweeping K = 1..{limit} "
-             f"(build with a larger speculative.max_draft_len to go further)")
         options.k_max = limit
-    torch_runtime = hasattr(executor, "engine")  # the TensorRT-LLM executor has engines, not torch models
-    if not torch_runtime and not options.skip_hf:
+        if not options.swept():  # every K asked for is past the engine's: measure its largest instead
+            options.k_values = [limit]
+        note(f"note: the target engine was built for K <= {limit}; sweeping K = "
+             f"{','.join(map(str, options.swept())) if options.k_values else f'1..{limit}'} "
+             f"(build with a larger speculative.max_draft_len to go further)")
+    if not hasattr(executor, "engine") and not options.skip_hf:  # TensorRT-LLM engines are not torch models
         note("note: Hugging Face baselines skipped: they need the torch models, and these are TensorRT-LLM engines")
         notes["hf_skipped"] = "engines are not torch models"
         options.skip_hf = True
-    methods = build_methods(executor, options, options.max_new_tokens)
-    # Warm-up: first calls pay one-off allocation and dispatch costs nobody should be billed for.
+
+
+def calibrate(methods: list[BenchMethod], ids: list[int], max_new_tokens: int) -> dict[tuple, float]:
+    """Seconds of one generation of ``ids`` per method, after the warm-up: what each timed generation will cost."""
+    seconds = {}
     for method in methods:
-        method.run(first[:16])
-    measure = measure_costs if torch_runtime else measure_call_costs
-    costs = measure(executor.target, executor.draft, first, options.k_max, repeats=options.cost_repeats)
-    # (without a draft model the draft cost is 0: lookups run no model)
+        start = time.perf_counter()
+        method.run(ids, max_new_tokens)
+        seconds[method.key] = time.perf_counter() - start
+    return seconds
+
+
+def timed_runs(methods: list[BenchMethod], fitted: dict[str, list[list[int]]], options: BenchOptions
+               ) -> dict[tuple[str, str, int | str], list[list[Sample]]]:
+    """(set, method, K) -> samples[repeat][prompt]. Repeats are interleaved: repeat 1 of every method, then 2, ..."""
+    from tqdm import tqdm
 
     samples: dict[tuple[str, str, int | str], list[list[Sample]]] = {}
     total = options.repeats * len(methods) * sum(len(v) for v in fitted.values())
@@ -157,10 +186,36 @@ def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions
                 bar.set_postfix_str(f"{set_name} {method.name} K={method.k}", refresh=False)
                 rep = []
                 for ids in prompts:
-                    rep.append(method.run(ids))
+                    rep.append(method.run(ids, options.max_new_tokens))
                     bar.update(1)
                 samples.setdefault((set_name, method.name, method.k), []).append(rep)
     bar.close()
+    return samples
+
+
+def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions,
+              note: Callable[[str], None] = print,
+              announce: Callable[[list[BenchMethod], dict[tuple, float]], None] | None = None
+              ) -> tuple[list[dict], CostTerms, dict]:
+    """Measure every method on every prompt set; returns (records, cost terms, notes for results.json).
+
+    ``announce(methods, seconds)``, when given, is called before the timed runs start with each method's seconds
+    for one generation of the first prompt (calibrate), so the caller can say how long the run will take."""
+    notes: dict = {}
+    fitted = {name: [fit_prompt(executor, p, options.max_new_tokens) for p in prompts]
+              for name, prompts in prompt_sets.items()}
+    first = next(iter(fitted.values()))[0]
+    _fit_options(executor, options, note, notes)
+    methods = build_methods(executor, options)
+    # Warm-up: first calls pay one-off allocation and dispatch costs nobody should be billed for.
+    for method in methods:
+        method.run(first[:16], min(WARMUP_TOKENS, options.max_new_tokens))
+    measure = measure_costs if hasattr(executor, "engine") else measure_call_costs
+    costs = measure(executor.target, executor.draft, first, options.k_max, repeats=options.cost_repeats)
+    # (without a draft model the draft cost is 0: lookups run no model)
+    if announce is not None:
+        announce(methods, calibrate(methods, first, options.max_new_tokens))
+    samples = timed_runs(methods, fitted, options)
     records = [make_record(method, k, set_name, reps, costs) for (set_name, method, k), reps in samples.items()]
     return finish_records(records), costs, notes
 

@@ -62,59 +62,84 @@ def _checked_options(args) -> ServeOptions:
 
 
 def cmd_bench_serve(args) -> int:
-    import json
-    import os
-
     from ..config import load_config
-    from ..errors import PipelineError
-    from ..executor import SpeculativeExecutor
-    from ..executor.serving_loop import ServingLoop
-    from ..run_cmd import proposer_options
-    from .hf_baseline import batch1_target_vs_hf
-    from .prompts import chat_prompt_ids, fit_shared_prefix, load_prompt_set, pair_seed_of
-    from .runner import fit_prompt, git_commit, machine_info, timestamp
-    from .serve_clients import EngineClient, TritonHttpClient, TritonStreamClient, engine_totals, triton_totals
-    from .serve_matrix import add_ratios, run_matrix
-    from .serve_plot import plot_serving
-    from .serve_report import format_serving_table, targets_met
-    from .triton_launch import start_triton
+    from .runner import git_commit, timestamp
 
     options = _checked_options(args)
     config = load_config(args.config)
-    root = args.engines_dir / config.name
-    if not (root / "target" / "build").is_dir():
-        raise PipelineError(f"{root}: no built engines; run `python -m pipeline build {args.config}` first")
-    target_folder = config.base_dir / config.target.model
-    pair_seed = pair_seed_of(target_folder) if target_folder.is_dir() else 0
-    texts = None
-    if args.prompt_set != "chat":  # before the models load: chat needs the tokenizer
-        try:
-            texts = load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
-        except ValueError as exc:
-            raise PipelineError(str(exc)) from None
-    device = None if config.runtime.device == "auto" else config.runtime.device
-    executor = SpeculativeExecutor.from_engines(root, device=device, adaptive_draft_len=True,
-                                                **proposer_options(config))
-    shared_prefix = None  # tokens every prompt starts with (chat only)
-    if texts is None:
-        try:
-            prompts, shared_prefix = fit_shared_prefix(
-                *chat_prompt_ids(executor.tokenizer, args.num_prompts),
-                lambda ids: fit_prompt(executor, ids, options.max_tokens))  # executor.encode passes ids through
-        except ValueError as exc:
-            raise PipelineError(str(exc)) from None
-    else:
-        prompts = [fit_prompt(executor, text, options.max_tokens) for text in texts]
-    k = executor.max_draft_len
+    texts = _prompt_texts(args, config)  # before the models load: a bad set fails at once
+    executor = _open_engines(args, config)
+    prompts, shared_prefix = _fitted_prompts(executor, texts, args.num_prompts, options.max_tokens)
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])
-
     batch1 = None
     if options.hf_rounds:  # before the ServingLoop exists: it runs on the executor's engine directly
+        from .hf_baseline import batch1_target_vs_hf
+
         batch1 = batch1_target_vs_hf(executor, prompts, options.max_tokens, options.hf_rounds)
         print(f"batch 1, target only: ours {batch1['target_tokens_per_s']:.1f} tok/s, HF generate "
               f"{batch1['hf_target_tokens_per_s']:.1f} tok/s ({batch1['target_vs_hf']:.2f}x)")
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
+    records = _run_cells(args, config, executor, prompts, options, out_dir)
+    _report(config, executor, records, batch1, out_dir, {
+        "started": started, "git_commit": commit,
+        "options": {**options.to_dict(), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+                    "shared_prefix_tokens": shared_prefix, "decoding": "greedy",
+                    "max_batch_size": executor.max_batch_size, "k": executor.max_draft_len,
+                    "adaptive_draft_len": True}})
+    return 0
+
+
+def _prompt_texts(args, config) -> list[str] | None:
+    """The built-in set's texts; None for chat, which needs the tokenizer (encoded once the engines are open)."""
+    from ..errors import PipelineError
+    from .prompts import load_prompt_set, pair_seed_of
+
+    if args.prompt_set == "chat":
+        return None
+    target_folder = config.base_dir / config.target.model
+    pair_seed = pair_seed_of(target_folder) if target_folder.is_dir() else 0
+    try:
+        return load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def _open_engines(args, config):
+    from ..errors import PipelineError
+    from ..executor import open_executor
+
+    root = args.engines_dir / config.name
+    if not (root / "target" / "build").is_dir():
+        raise PipelineError(f"{root}: no built engines; run `python -m pipeline build {args.config}` first")
+    device = None if config.runtime.device == "auto" else config.runtime.device
+    return open_executor(root, config, device=device, adaptive_draft_len=True)
+
+
+def _fitted_prompts(executor, texts: list[str] | None, num_prompts: int, max_tokens: int
+                    ) -> tuple[list[list[int]], int | None]:
+    """Token ids that fit the engine, and how many first tokens they all share (chat only, else None)."""
+    from ..errors import PipelineError
+    from .prompts import chat_prompt_ids, fit_shared_prefix
+    from .runner import fit_prompt
+
+    if texts is not None:
+        return [fit_prompt(executor, text, max_tokens) for text in texts], None
+    try:
+        return fit_shared_prefix(*chat_prompt_ids(executor.tokenizer, num_prompts),
+                                 lambda ids: fit_prompt(executor, ids, max_tokens))  # encode passes ids through
+    except ValueError as exc:
+        raise PipelineError(str(exc)) from None
+
+
+def _run_cells(args, config, executor, prompts: list[list[int]], options: ServeOptions, out_dir: Path
+               ) -> list[dict]:
+    """Every (path, mode, C) cell: the engine in this process, and a tritonserver when a Triton path is asked for."""
+    from ..executor.serving_loop import ServingLoop
+    from .serve_clients import EngineClient, TritonHttpClient, TritonStreamClient, engine_totals, triton_totals
+    from .serve_matrix import add_ratios, run_matrix
+    from .triton_launch import start_triton
+
     loop = ServingLoop(executor.engine)
     clients: dict[str, Callable[[], object]] = {"engine": lambda: EngineClient(executor, loop)}
     totals: dict[str, Callable[[], dict]] = {"engine": lambda: engine_totals(executor.engine)}
@@ -126,31 +151,37 @@ def cmd_bench_serve(args) -> int:
             clients["triton_stream"] = lambda: TritonStreamClient(server.endpoints.grpc)
             totals["triton"] = totals["triton_stream"] = lambda: triton_totals(server.endpoints.metrics_url)
         clients = {path: make for path, make in clients.items() if path in options.paths}
-        records = run_matrix(clients, prompts, options, k, totals=totals, max_batch=executor.max_batch_size)
+        records = run_matrix(clients, prompts, options, executor.max_draft_len, totals=totals,
+                             max_batch=executor.max_batch_size)
     finally:
         loop.stop()
         if server is not None:
             server.stop()
     add_ratios(records)
-    results = {
-        "config": config.name, "started": started, "finished": timestamp(), "git_commit": commit,
-        "machine": {**machine_info(str(executor.device)), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")},
-        "options": {**options.to_dict(), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
-                    "shared_prefix_tokens": shared_prefix,
-                    "decoding": "greedy", "max_batch_size": executor.max_batch_size, "k": k,
-                    "adaptive_draft_len": True},
-        "records": records, "batch1_target_vs_hf": batch1, "targets": targets_met(records),
-    }
+    return records
+
+
+def _report(config, executor, records: list[dict], batch1: dict | None, out_dir: Path, run: dict) -> None:
+    """serving.json (written whole through a temporary file), serving.png, the table and the serving goals."""
+    import json
+    import os
+
+    from .runner import machine_info, timestamp
+    from .serve_plot import plot_serving
+    from .serve_report import format_serving_table, targets_met
+
+    machine = {**machine_info(str(executor.device)), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+    results = {"config": config.name, "started": run["started"], "finished": timestamp(),
+               "git_commit": run["git_commit"], "machine": machine, "options": run["options"],
+               "records": records, "batch1_target_vs_hf": batch1, "targets": targets_met(records)}
     tmp = out_dir / "serving.json.tmp"
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(out_dir / "serving.json")
-    machine = results["machine"]
     plot = plot_serving(records, out_dir / "serving.png",
                         f"{config.name}: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} "
-                        f"torch threads), {options.max_tokens} tokens/request greedy, engine batch "
-                        f"{executor.max_batch_size}, K={k}")
+                        f"torch threads), {run['options']['max_tokens']} tokens/request greedy, engine batch "
+                        f"{executor.max_batch_size}, K={executor.max_draft_len}")
     print(format_serving_table(records))
     for line in results["targets"]:
         print(line)
     print(f"wrote {out_dir / 'serving.json'} and {plot}")
-    return 0

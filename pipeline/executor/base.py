@@ -3,8 +3,9 @@
 A backend provides ``_run(requests)``: advance the given requests (one batch) until each finishes, yielding
 ``(request, StreamEvent)`` after every target step; an event with ``error`` set (a request the engine failed alone)
 raises that error from generate(), run() and generate_stream(), the caller's own calls. Prompt encoding, request
-checks, K parsing, seeds, stop and length handling, statistics and results are shared here, so the torch and the
-TensorRT-LLM executors cannot drift.
+checks, K parsing, the accept rules' names, seeds, stop and length handling, statistics and results are shared here,
+so the torch and the TensorRT-LLM executors cannot drift (who drafts each step is proposers.choose_drafter, shared
+the same way).
 """
 
 from __future__ import annotations
@@ -19,11 +20,21 @@ from .results import GenerationResult, RequestError, StreamEvent
 from .text import Prompt, TokenizerIO
 
 
+ACCEPTANCE_RULES = ("rejection", "greedy")  # how a sampled row keeps draft tokens (build's speculative.acceptance)
+
+
+def checked_acceptance(acceptance: str) -> str:
+    """``acceptance`` when both executors run it; raises ValueError naming the value otherwise."""
+    if acceptance not in ACCEPTANCE_RULES:
+        raise ValueError(f"acceptance: {acceptance!r} must be one of {', '.join(map(repr, ACCEPTANCE_RULES))}")
+    return acceptance
+
+
 class ExecutorBase(TokenizerIO):
     """generate() / generate_stream() over ``_run``; subclasses set the attributes below."""
 
-    max_draft_len: int = 0  # the executor's default K
-    draft_len_limit: int | None = None  # K the target engine was built for (None = no limit)
+    max_draft_len: int = 0  # the max_draft_len of a request that names none
+    engine_draft_len: int | None = None  # K the target engine was built for (None = no limit)
     max_input_len: int | None = None
     max_seq_len: int | None = None
     vocab_size: int | None = None  # ids a prompt may hold (None = unchecked)
@@ -61,8 +72,8 @@ class ExecutorBase(TokenizerIO):
         follows the observed acceptance, up to the executor's K); None uses the executor's K. ``seed`` seeds each
         prompt's own random stream (one int for every prompt, or one per prompt; None = fresh randomness), so a
         result depends only on its own prompt, parameters and seed: the same prompt and seed give the same tokens
-        whatever else runs in the batch. ``method`` overrides the executor's proposer for this call ("draft_model",
-        "ngram" or "ngram+draft"; the draft model ones need a draft model).
+        whatever else runs in the batch. ``method`` overrides the executor's proposer for this call (a
+        ``Method`` value; "draft_model" and "ngram+draft" need a draft model, "medusa" Medusa heads).
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise RequestError("prompts: pass a list of prompts (strings or token-id lists), not a single prompt")
@@ -104,7 +115,7 @@ class ExecutorBase(TokenizerIO):
         method = parse_method(method or self.method, self.has_draft_model, error=RequestError,
                               has_medusa_heads=self.has_medusa_heads)
         values = validate_request(max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
-                                  default_k=self.max_draft_len, draft_len_limit=self.draft_len_limit)
+                                  default_max_draft_len=self.max_draft_len, engine_draft_len=self.engine_draft_len)
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError(f"cache_salt: {short_repr(cache_salt)} must be a string (or None for no salt)")
         ids = self.encode(prompt)

@@ -2,19 +2,21 @@
 
 Per step, for the running requests (rows) at once:
   1. Admit: waiting requests join while the batch and the KV pool have room; each is prefilling until its prompt
-     has KV. When its prefill starts it opens its sequences in both KV caches, taking the cached blocks its prompt
-     starts with (prefix reuse).
-  2. Propose: each decoding row's proposer (proposers/, by the request's method) drafts up to the row's own K into
-     a StepBatch; the draft model runs one batched forward per draft position for all the rows it drafts, its first
-     forward also catching up on tokens the draft has not seen.
+     has KV. When its prefill starts it opens its sequence in the target's KV cache, and in the draft's when its
+     method drafts with the model, taking the cached blocks its prompt starts with (prefix reuse).
+  2. Propose: each decoding row gets its step_draft_len (its own K, within the K policy's batch-wide cap), and the
+     proposer that proposers.choose_drafter picks for it drafts up to that many tokens into a StepBatch; the draft
+     model runs one batched forward per draft position for all the rows it drafts, its first forward also catching
+     up on tokens the draft has not seen.
   3. Verify: one packed target forward over every decoding row's unseen tokens + its draft tokens (a Medusa row's:
      its candidate tree, each node at root + depth under the tree mask), and in the same forward the next chunk of
      each prefilling row's prompt, within the step's token budget (chunked prefill: a long prompt never stalls the
      decoding rows).
   4. Accept: the pure accept rule, one call for the greedy rows and one for the sampled rows, each row with its
      own sampling parameters and randomness drawn from its own generator; tree rows by the tree rules.
-  5. Roll back: each row's KV caches drop that row's rejected positions (a tree row first moves its accepted
-     path's KV next to the root) and hash their newly full blocks for reuse; finished rows release their blocks.
+  5. Roll back: each row's KV caches (the target's, and the draft's where it has one) drop its rejected positions
+     (a tree row first moves its accepted path's KV next to the root) and hash their newly full blocks for reuse;
+     finished rows release their blocks.
      Proposers that draft from the target's hidden state get it, at each of their rows' last accepted position.
 Rows differ in length, K, sampling parameters, seed, stop tokens and max_new_tokens; a row's tokens depend only on
 its own request (each has its own generator, and attention runs per row over its own blocks).
@@ -40,7 +42,8 @@ from .block_pool import PrefixStats
 from .draft_policy import DraftPolicy
 from ..kv_settings import KVSettings
 from .model_runner import BatchModelRunner
-from .proposers import CostRatio, Proposer, ProposerContext, build_proposers
+from .proposers import CostRatio, Proposer, ProposerContext, build_proposers, choose_drafter
+from .proposers.ngram import row_lookup
 from .request import SpecRequest
 from .results import RequestError, RequestFailed, StreamEvent
 from .scheduler import Scheduler
@@ -82,17 +85,20 @@ class _Computed:
 
 class BatchingEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
-                 k_max: int, acceptance: str = "rejection", adaptive_k: bool = False, compile: bool = False,
-                 ngram: NgramSettings | None = None, medusa: tuple | None = None, kv: KVSettings | None = None):
-        """``max_tokens``: longest sequence (prompt + generated) a row holds; ``adaptive_k``: cap K per step
-        from measured costs and acceptance (for serving; a result never depends on it, see SpecRequest);
+                 engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
+                 compile: bool = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
+                 kv: KVSettings | None = None):
+        """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
+        drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
+        serving; a result never depends on it, see SpecRequest);
         ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``medusa``: (MedusaHeads,
         TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
         step's token budget."""
         self.device = torch.device(device)
         self.kv = kv or KVSettings()
         tree = medusa[1] if medusa is not None else None
-        self.spare = max(k_max, tree.size if tree is not None else 0) + 1  # tokens a verify writes past the end
+        # Tokens a verify writes past the end: a chain's draft tokens and bonus, or a whole tree.
+        self.spare = max(engine_draft_len, tree.size if tree is not None else 0) + 1
         self.max_len = max_tokens
         max_blocks = self.kv.max_blocks(max_batch, max_tokens, self.spare)
 
@@ -107,12 +113,13 @@ class BatchingEngine:
         self.acceptance = acceptance
         self.scheduler = Scheduler(max_batch)
         self.costs = CostRatio()
+        self.ngram = ngram or NgramSettings()
         self.proposers: dict[str, Proposer] = build_proposers(ProposerContext(
-            self.draft, vocab_size, self.device, ngram or NgramSettings(), lambda: self.costs.value,
+            self.draft, vocab_size, self.device, self.ngram,
             lambda rows, seconds: self._record("draft", rows, seconds), medusa))
         self._hidden_users = {method for method, proposer in self.proposers.items() if proposer.wants_hidden}
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
-        self.policy = DraftPolicy(k_max) if adaptive_k and k_max > 0 else None
+        self.policy = DraftPolicy(engine_draft_len) if adaptive_draft_len and engine_draft_len > 0 else None
         if self.policy is not None:
             self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
         self.step_tokens: list[int] = []  # recent steps' packed target tokens
@@ -188,7 +195,7 @@ class BatchingEngine:
     # ---- the step's parts -----------------------------------------------------------------------------------------
 
     def _needs_draft(self, request: SpecRequest) -> bool:
-        return self.draft is not None and request.plan.k_max > 0 and request.method.needs_draft_model
+        return self.draft is not None and request.plan.max_draft_len > 0 and request.method.needs_draft_model
 
     def _fits(self, request: SpecRequest, running: list[SpecRequest]) -> bool:
         """Admit only while every running request can still reach its longest (shared prefixes counted once per
@@ -238,30 +245,41 @@ class BatchingEngine:
             self.draft.forward([r.id for r in rows], inputs, logits_for=[0] * len(rows))
 
     def _propose(self, rows: list[SpecRequest], plan: dict[int, int], alone: bool = False) -> StepBatch:
-        """Step 2: each row's K (``plan``: request id -> K, decided once per step, so a row run alone after a failed
-        batch drafts what it would have drafted in the batch), then its proposer's tokens."""
+        """Step 2: each row's step_draft_len (``plan``: request id -> K, decided once per step, so a row run alone
+        after a failed batch drafts what it would have drafted in the batch), then the chosen proposer's tokens."""
         batch = StepBatch(rows)
         proposers = [self.proposers[request.method] for request in rows]
         if any(request.id not in plan for request in rows):
             cap = None
             if self.policy is not None and not alone:  # a batch-wide cap means nothing for one row
-                own = [request.draft_len() for request in rows]
+                own = [request.step_draft_len() for request in rows]
                 limits = [proposer.limit(batch, row, own[row]) if own[row] else 0
                           for row, proposer in enumerate(proposers)]
                 cap = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers],
                                        [p.verify_width for p in proposers])
             for request in rows:
-                plan.setdefault(request.id, request.draft_len(cap))
+                plan.setdefault(request.id, request.step_draft_len(cap))
         batch.k = [plan[request.id] for request in rows]
         routed: dict[Proposer, list[int]] = {}
-        for row, proposer in enumerate(proposers):
-            chosen = proposer.route(batch, row) if batch.k[row] > 0 else None
+        for row in range(len(rows)):
+            chosen = self._drafter(batch, row)
             if chosen is not None:
                 routed.setdefault(chosen, []).append(row)
         for proposer, chosen_rows in routed.items():
             proposer.propose(batch, chosen_rows)
         batch.seal(self.vocab_size, self.device)
         return batch
+
+    def _drafter(self, batch: StepBatch, row: int) -> Proposer | None:
+        """The proposer that drafts ``row`` this step (choose_drafter's pick, when it can propose anything for the
+        row: a Medusa row has no hidden state before its first verify), or None for a plain step."""
+        k = batch.k[row]
+        if k == 0:
+            return None
+        method = choose_drafter(batch.requests[row], k, lambda n: row_lookup(batch, row, n, self.ngram),
+                                self.costs.value)
+        proposer = self.proposers.get(method) if method is not None else None
+        return proposer if proposer is not None and proposer.limit(batch, row, k) > 0 else None
 
     def _compute(self, rows: list[SpecRequest], plan: dict[int, int], alone: bool = False) -> _Computed | None:
         """Steps 2-4: proposals, one target forward for all rows (prompt chunks included), one accept call per mode.

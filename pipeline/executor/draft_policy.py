@@ -143,8 +143,8 @@ class _Row:
 class DraftPolicy:
     """Chooses the batch's K cap each step; rows keep their own K below it."""
 
-    def __init__(self, k_max: int):
-        self.k_max = k_max
+    def __init__(self, engine_draft_len: int):
+        self.engine_draft_len = engine_draft_len  # the largest cap it may choose
         self.target = ForwardCost()
         self.draft = ForwardCost()
         self.drafted = 0  # engine-wide totals of judged draft tokens, the prior for rows with little history
@@ -221,7 +221,7 @@ class DraftPolicy:
             return 0
         uses_model = [True] * rows if uses_model is None else list(uses_model)
         best_k, best = 0, rows / self.target(rows)
-        for k in range(1, self.k_max + 1):
+        for k in range(1, self.engine_draft_len + 1):
             ks = [min(k, limit) for limit in row_limits]
             tokens = sum(expected_tokens_per_step(a, kr) for a, kr in zip(row_rates, ks))
             drafting = sum(1 for kr, model in zip(ks, uses_model) if kr > 0 and model)
@@ -237,7 +237,8 @@ class DraftPolicy:
     @torch.inference_mode()
     def calibrate(self, target_model, draft_model, max_rows: int, device, vocab: int, repeats: int = 3) -> None:
         """Time bare forwards (no cache, a short context) at the token counts the engine will use: at batch 1 every
-        verify width 1..k_max+1 (where the verify cost curve decides K), at larger batches plain, middle and widest."""
+        verify width 1..engine_draft_len+1 (where the verify cost curve decides K), at larger batches plain, middle
+        and widest."""
         rows = sorted({1, 2, 4, 8, 16, 32, max_rows} & set(range(1, max_rows + 1)))
         generator = torch.Generator().manual_seed(0)
         for model, cost in ((target_model, self.target), (draft_model, self.draft)):
@@ -247,9 +248,9 @@ class DraftPolicy:
                 if model is draft_model:
                     widths = [1]  # a draft position is one token per row
                 elif b == 1:
-                    widths = list(range(1, self.k_max + 2))
+                    widths = list(range(1, self.engine_draft_len + 2))
                 else:
-                    widths = sorted({1, self.k_max // 2 + 1, self.k_max + 1})
+                    widths = sorted({1, self.engine_draft_len // 2 + 1, self.engine_draft_len + 1})
                 for t in widths:
                     ids = torch.randint(0, vocab, (b, t), generator=generator).to(device)
                     model(input_ids=ids)  # warm-up (allocator, kernels)

@@ -21,14 +21,14 @@ from .results import GenerationResult, GenerationStats, RequestFailed, StreamEve
 
 _ids = itertools.count()
 
-def next_draft_len(current: int, drafted: int, accepted: int, limit: int) -> int:
-    """Dynamic K: lengthen after a fully accepted step, shorten after a rejection (within 1..limit).
+def next_draft_len(current: int, drafted: int, accepted: int, max_draft_len: int) -> int:
+    """Dynamic K: lengthen after a fully accepted step, shorten after a rejection (within 1..max_draft_len).
 
     Drafting past the first rejection is wasted draft time, and a run of full acceptances means the draft is
     tracking the target well; the additive rule follows acceptance within a few steps without overshooting.
     """
     if accepted == drafted:
-        return min(limit, current + 1)
+        return min(max_draft_len, current + 1)
     return max(1, current - 1)
 
 
@@ -62,13 +62,13 @@ class SpecRequest:
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "error"
-    k_now: int = 0  # dynamic K's current value
+    dynamic_draft_len: int = 0  # dynamic K's current value (the step_draft_len before caps), 1..max_draft_len
     # proposer -> this request's acceptance with it (what ngram+draft chooses by)
     _acceptance: dict[Method, AcceptanceEstimate] = field(default_factory=dict)
     _text_sent: str = ""
 
     def __post_init__(self):
-        self.k_now = self.plan.k_max
+        self.dynamic_draft_len = self.plan.max_draft_len
 
     # ---- what the next step may do ------------------------------------------------------------------------------
 
@@ -84,12 +84,12 @@ class SpecRequest:
     def sequence(self) -> list[int]:
         return self.prompt_ids + self.generated
 
-    def draft_len(self, cap: int | None = None) -> int:
-        """K for the next step: the request's own K (dynamic or fixed), never more than can be emitted (a step
-        emits up to K + 1 tokens), and within ``cap`` when the engine limits K for the whole batch. The cap is
-        ignored when the caller named K, and by a seeded sampling request: its random draws, hence its tokens,
-        depend on the K it drafts, and a seeded result must not depend on the batch it ran in."""
-        k = self.k_now if self.plan.dynamic else self.plan.k_max
+    def step_draft_len(self, cap: int | None = None) -> int:
+        """The next step's K: the request's own (dynamic or fixed), never more than can be emitted (a step emits up
+        to K + 1 tokens), and within ``cap`` when the engine limits K for the whole batch. The cap is ignored when
+        the caller named K, and by a seeded sampling request: its random draws, hence its tokens, depend on the K
+        it drafts, and a seeded result must not depend on the batch it ran in."""
+        k = self.dynamic_draft_len if self.plan.dynamic else self.plan.max_draft_len
         if cap is not None and not self.plan.explicit and not (self.seeded and not self.params.greedy):
             k = min(k, cap)
         return max(0, min(k, self.remaining - 1))
@@ -120,7 +120,7 @@ class SpecRequest:
         if proposer is not None and drafted > 0:
             self.acceptance(proposer).observe(drafted, accepted)
         if self.plan.dynamic and drafted > 0:
-            self.k_now = next_draft_len(self.k_now, drafted, accepted, self.plan.k_max)
+            self.dynamic_draft_len = next_draft_len(self.dynamic_draft_len, drafted, accepted, self.plan.max_draft_len)
         self.generated.extend(tokens)
         self.stats.generated_tokens = len(self.generated)
         if reason is None and (self.remaining <= 0 or not tokens):

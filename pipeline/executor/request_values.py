@@ -1,7 +1,19 @@
 """The rules every request meets, in one place: ``validate_request`` for its values and ``check_prompt`` for its
 prompt against the engines' limits. The Python API, `run`'s flags and the Triton inputs all pass through them;
 callers with other spellings (``--max-new-tokens``, ``max_tokens``) pass ``names`` so an error names what the user
-typed."""
+typed.
+
+K, the number of tokens drafted in one step, has one name per scope, used across the runtime:
+  step_draft_len    one step's K for one row: what it drafts now (dynamic K, the engine's batch-wide cap and the
+                    tokens left to generate can lower it below the request's max_draft_len);
+  max_draft_len     one request's K: the most it drafts per step (the fixed K, or the ceiling of "auto"). The public
+                    name: ``generate(max_draft_len=...)``, `run --max-draft-len`, Triton's ``num_draft_tokens``; an
+                    executor's ``max_draft_len`` is the value of a request that names none (config
+                    ``speculative.max_draft_len``);
+  engine_draft_len  an engine's K: what the target engine was built to verify (engine.json's ``max_draft_len``,
+                    trtllm-build's ``--max_draft_len``); no request's max_draft_len may exceed it.
+``MAX_DRAFT_LEN_LIMIT`` (pipeline/config.py) bounds the K a config may build with.
+"""
 
 from __future__ import annotations
 
@@ -14,15 +26,15 @@ from ..speculative import SamplingParams
 from .results import RequestError
 
 MAX_NEW_TOKENS = 2**31 - 1  # what an INT32 tensor (Triton's max_tokens) can carry
-DraftLen = int | str | None  # an int K >= 0, "auto" (dynamic K) or None (the executor's K)
+DraftLen = int | str | None  # a max_draft_len as asked: an int >= 0, "auto" (dynamic K) or None (the executor's)
 
 
 @dataclass(frozen=True)
 class DraftPlan:
     """How many tokens a request drafts per step."""
 
-    k_max: int  # upper bound (and the fixed K when not dynamic)
-    dynamic: bool = False  # follow the observed acceptance (next_draft_len) within 1..k_max
+    max_draft_len: int  # the request's K: every step_draft_len is at most this (and equals it when not dynamic)
+    dynamic: bool = False  # follow the observed acceptance (next_draft_len) within 1..max_draft_len
     explicit: bool = False  # the caller named K: the engine drafts exactly that, never a lower batch-wide cap
 
 
@@ -39,12 +51,13 @@ def _int(value) -> bool:
 
 
 def validate_request(max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=None,
-                     max_draft_len: DraftLen = None, *, default_k: int = 0, draft_len_limit: int | None = None,
+                     max_draft_len: DraftLen = None, *, default_max_draft_len: int = 0,
+                     engine_draft_len: int | None = None,
                      names: Mapping[str, str] | None = None) -> RequestValues:
     """Check a request's values; raises RequestError naming the value (as the caller spells it) and the fix.
 
-    ``max_draft_len``: K for this request (an int >= 0, "auto" for dynamic K up to ``default_k``, None for
-    ``default_k``), at most ``draft_len_limit`` (the K the target engine was built for)."""
+    ``max_draft_len``: this request's K (an int >= 0, "auto" for dynamic K up to ``default_max_draft_len``, None
+    for ``default_max_draft_len``), at most ``engine_draft_len`` (the K the target engine was built for)."""
     def name(key: str) -> str:
         return (names or {}).get(key, key)
 
@@ -61,10 +74,11 @@ def validate_request(max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=N
         raise RequestError(f"{name('top_p')}: {short_repr(top_p)} must be in (0, 1] (1 disables it)")
     if seed is not None and (not _int(seed) or not 0 <= seed < 2**64):
         raise RequestError(f"{name('seed')}: {short_repr(seed)} must be an integer in [0, 2**64)")
-    plan = _draft_plan(max_draft_len, default_k, name("max_draft_len"))
-    if draft_len_limit is not None and plan.explicit and plan.k_max > draft_len_limit:
-        raise RequestError(f"{name('max_draft_len')}: {plan.k_max} is larger than the {draft_len_limit} the target "
-                           f"engine was built for; lower it or rebuild with speculative.max_draft_len: {plan.k_max}")
+    plan = _draft_plan(max_draft_len, default_max_draft_len, name("max_draft_len"))
+    if engine_draft_len is not None and plan.explicit and plan.max_draft_len > engine_draft_len:
+        raise RequestError(f"{name('max_draft_len')}: {plan.max_draft_len} is larger than the {engine_draft_len} the "
+                           f"target engine was built for; lower it or rebuild with speculative.max_draft_len: "
+                           f"{plan.max_draft_len}")
     return RequestValues(max_new_tokens, SamplingParams(float(temperature), top_k, float(top_p)), seed, plan)
 
 

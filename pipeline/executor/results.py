@@ -48,7 +48,7 @@ class GenerationStats(_ItemAccess):
     generated_tokens: int = 0  # tokens emitted (after EOS/length truncation)
     drafted_at: list[int] = field(default_factory=list)  # [K] proposals per draft position
     accepted_at: list[int] = field(default_factory=list)  # [K] acceptances per draft position
-    # proposer ("draft_model" | "ngram") -> [tokens proposed, tokens accepted, steps it proposed in]
+    # proposer ("draft_model" | "ngram" | "medusa") -> [tokens proposed, tokens accepted, steps it proposed in]
     by_proposer: dict[str, list[int]] = field(default_factory=dict)
 
     @property

@@ -1,12 +1,14 @@
 """Drive the batching engine from a background thread for a server: submit, cancel, per-request events.
 
-Server threads (Triton's execute, a test's clients) call :meth:`ServingLoop.submit` and :meth:`ServingLoop.cancel`;
-the loop thread alone touches the engine. Between steps it takes in new requests and cancellations and asks each
-running request's ``is_cancelled`` (e.g. Triton's ``response_sender.is_cancelled``), so a client that went away
-frees its slot within one step. Each request's events reach its ``on_event(event)`` callback, on the loop thread.
-A request the engine failed alone (its own proposal, verify or sampling raised) gets that exception as its last
-event and the others never notice; only a step that fails outside every row delivers its exception to every request
-it holds. Either way the loop keeps serving.
+Other threads (the Triton model's execute, bench-serve's clients, tests) call :meth:`ServingLoop.submit` (with an
+optional key), :meth:`ServingLoop.cancel` or :meth:`ServingLoop.cancel_key` (by that key, for a proxy that never
+holds the request object); the loop thread alone touches the engine. Between steps it takes in new requests and
+cancellations and asks each submitted request's ``is_cancelled`` (e.g. Triton's ``response_sender.is_cancelled``),
+so a client that went away frees its slot within one step. A request with nothing to generate (max_new_tokens 0)
+gets its final event at once, without the engine. Each request's events reach its ``on_event(event)`` callback, on
+the loop thread. A request the engine failed alone (its own proposal, verify or sampling raised) gets that exception
+as its last event and the others never notice; only a step that fails outside every row delivers its exception to
+every request it holds. Either way the loop keeps serving.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The speculative executor on the torch backend: the public API over the batched engine (engine.py).
+"""The speculative executor on the torch backend: the public API over the batching engine (batching_engine.py).
 
 ``generate(prompts)`` runs its prompts as one batch (up to max_batch_size at once, the rest queued and joining as
 rows finish); ``generate_stream`` runs one request. Servers drive the engine itself (add, step, cancel) through
@@ -13,17 +13,17 @@ from pathlib import Path
 import torch
 
 from ..draft_vocab import logit_width, reduce_head
-from ..engine_info import EngineInfo, read_engine
+from ..engine_info import EngineInfo, read_draft_engine, read_engine
 from ..errors import EngineError
+from ..kv_settings import KVSettings
 from ..layout import Layout
 from ..medusa_heads import ENGINE_SUBDIR
 from ..methods import Method, NgramSettings, parse_method
 from ..quantize import quantize_model
 from ..speculative.tree import TokenTree
 from ..speculative.tree_choices import DEFAULT_TREE, tree_paths
-from .base import ExecutorBase
+from .base import ExecutorBase, checked_acceptance
 from .batching_engine import BatchingEngine
-from ..kv_settings import KVSettings
 from .request import SpecRequest
 from .results import RequestError, StreamEvent
 
@@ -34,31 +34,30 @@ UNBOUNDED_TOKENS = 1 << 20  # KV blocks are made on demand; this only bounds a p
 class SpeculativeExecutor(ExecutorBase):
     def __init__(self, target_model, draft_model, tokenizer, max_draft_len: int = 4, device: str = "cpu",
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
-                 draft_len_limit: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
+                 engine_draft_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                  adaptive_draft_len: bool = False, compile: bool = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
                  kv: KVSettings | None = None):
-        """``max_batch_size``: requests that run at once (the rest wait); ``adaptive_draft_len``: let the engine
-        lower K per step when the batch makes drafting unprofitable (serving; results never depend on it);
-        ``compile``: torch.compile the forwards (first calls are slow); ``method``: who proposes draft tokens,
-        "draft_model", "ngram" (lookup in the prompt and generated text; ``draft_model`` may be None) or
-        "ngram+draft" (per step, whichever promises more tokens per unit of cost) or "medusa" (``medusa``: a
-        MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a list of paths);
-        ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine step's token budget
-        (chunked prefill)."""
-        if acceptance not in ("rejection", "greedy"):
-            raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
+        """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
+        for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
+        wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
+        (serving; results never depend on it); ``compile``: torch.compile the forwards (first calls are slow);
+        ``method``: who proposes draft tokens, "draft_model", "ngram" (lookup in the prompt and generated text;
+        ``draft_model`` may be None) or "ngram+draft" (per step, whichever promises more tokens per unit of cost) or
+        "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
+        list of paths); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
+        step's token budget (chunked prefill)."""
+        self.acceptance = checked_acceptance(acceptance)
         self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None)
         if self.method == Method.NGRAM:
             draft_model = None  # never run: lookups need no model
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.max_draft_len = max_draft_len
-        self.acceptance = acceptance
         self.max_seq_len = max_seq_len
         self.max_input_len = max_input_len if max_input_len is not None else (
             max_seq_len - 1 if max_seq_len else None)
-        self.draft_len_limit = draft_len_limit  # K the engine was built for; None = no limit
+        self.engine_draft_len = engine_draft_len  # None: no engine limits K (from_pretrained)
         self.max_batch_size = max_batch_size
         if draft_model is not None:
             reduce_head(draft_model)  # a train-draft --vocab draft computes only its own tokens' logits
@@ -75,8 +74,8 @@ class SpeculativeExecutor(ExecutorBase):
         self.engine = BatchingEngine(
             target_model, draft_model, device=self.device, max_batch=max_batch_size,
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
-            k_max=max(max_draft_len, draft_len_limit or 0), acceptance=acceptance,
-            adaptive_k=adaptive_draft_len, compile=compile, ngram=ngram,
+            engine_draft_len=max(max_draft_len, engine_draft_len or 0), acceptance=acceptance,
+            adaptive_draft_len=adaptive_draft_len, compile=compile, ngram=ngram,
             medusa=(medusa, tree) if medusa is not None else None, kv=kv)
 
     @property
@@ -110,7 +109,7 @@ class SpeculativeExecutor(ExecutorBase):
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
         ``medusa_choices``; ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
         linear layers (pipeline/quantize.py; pass dtype bfloat16 for the fast CPU kernel)."""
-        from ..checks import compare_tokenizers, max_positions
+        from ..models import compare_tokenizers, max_positions
 
         target_model, target_tok = _load(target, "target", dtype, trust_remote_code, quantization)
         draft_model, draft_tok = _load(draft, "draft", draft_dtype or dtype, trust_remote_code, draft_quantization) \
@@ -133,38 +132,26 @@ class SpeculativeExecutor(ExecutorBase):
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,
                      adaptive_draft_len: bool = False, method: str | None = None,
-                     ngram: NgramSettings | None = None, kv: KVSettings | None = None):
-        """Load the engines built for one config: ``engines/<name>`` (target/build, and draft/build unless the
-        method is ngram). ``method``, ``ngram`` and ``kv`` default to what the engines were built for (engine.json);
-        engines built by the trtllm backend open a TrtllmSpeculativeExecutor, which takes no torch options."""
+                     ngram: NgramSettings | None = None, kv: KVSettings | None = None) -> SpeculativeExecutor:
+        """Load the torch engines built for one config: ``engines/<name>`` (target/build, and draft/build when the
+        method drafts with a model). K, the limits and the acceptance rule are the build's (engine.json);
+        ``method``, ``ngram`` and ``kv`` default to what the engines were built for.
+
+        This returns a SpeculativeExecutor or raises: engines built by the trtllm backend are refused with the way to
+        open them (:func:`pipeline.executor.open_executor`, which returns the executor of the backend that built a
+        folder), rather than answered with an instance of another class."""
         layout = Layout(Path(path))
         target_info = read_engine(layout.root, "target")
-        method = method or target_info.built_method(layout.engine_dir("draft").exists())
-        ngram = ngram or target_info.ngram_settings()
-        if target_info.backend == "trtllm":
-            from .trtllm_executor import TrtllmSpeculativeExecutor
-
-            refused = [name for name, value in (("device", device), ("compile", compile),
-                                                ("adaptive_draft_len", adaptive_draft_len)) if value]
-            if refused:
-                raise EngineError(f"{', '.join(refused)}: torch-backend options, but {layout.root} holds TensorRT-LLM "
-                                  f"engines (they run on the GPUs recorded at build time and choose K per request); "
-                                  f"leave them out")
-            return TrtllmSpeculativeExecutor.from_engines(layout.root, method=method, ngram=ngram)
+        if target_info.backend != "torch":
+            raise EngineError(f"{layout.root}: engines built by the {target_info.backend} backend, and "
+                              f"SpeculativeExecutor runs the torch backend's; open them with "
+                              f"pipeline.executor.open_executor(path), which returns the executor for the backend "
+                              f"that built them")
         heads_dir = layout.engine_dir("target") / ENGINE_SUBDIR
         medusa = heads_dir if target_info.medusa_choices and heads_dir.is_dir() else None
-        method = parse_method(method, has_draft_model=True, error=EngineError, has_medusa_heads=medusa is not None)
-        draft_model = None
-        if method.needs_draft_model:
-            if not layout.engine_dir("draft").exists():
-                raise EngineError(f"{layout.engine_dir('draft')}: no draft engine, and method {method.value!r} needs "
-                                  f"one; build it (speculative.method: draft_model or ngram+draft) or use method "
-                                  f"'ngram'")
-            draft_info = read_engine(layout.root, "draft")
-            if target_info.config_name != draft_info.config_name:
-                raise EngineError(f"{layout.root}: target engine was built for config {target_info.config_name!r} "
-                                  f"but the draft for {draft_info.config_name!r}; rebuild both with one config")
-            draft_model, _ = _load_engine_model(layout.engine_dir("draft"), draft_info)
+        method = parse_method(method or target_info.built_method(layout.engine_dir("draft").exists()),
+                              has_draft_model=True, error=EngineError, has_medusa_heads=medusa is not None)
+        draft_model = _load_draft_engine(layout, target_info, method)
         from ..models import load_tokenizer
 
         device = device or _auto_device()
@@ -172,9 +159,9 @@ class SpeculativeExecutor(ExecutorBase):
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None,
                    load_tokenizer(target_spec), max_draft_len=target_info.max_draft_len, device=device,
                    acceptance=target_info.acceptance, max_seq_len=target_info.max_seq_len,
-                   max_input_len=target_info.max_input_len, draft_len_limit=target_info.max_draft_len,
+                   max_input_len=target_info.max_input_len, engine_draft_len=target_info.max_draft_len,
                    max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
-                   compile=compile, method=method, ngram=ngram, medusa=medusa,
+                   compile=compile, method=method, ngram=ngram or target_info.ngram_settings(), medusa=medusa,
                    medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings())
 
     def new_request(self, *args, **kwargs) -> SpecRequest:
@@ -236,6 +223,17 @@ def _eos_ids(model, tokenizer) -> list[int]:
         elif isinstance(source, (list, tuple)):
             found.update(int(x) for x in source)
     return sorted(found)
+
+
+def _load_draft_engine(layout: Layout, target_info: EngineInfo, method: Method):
+    """The draft engine's model when ``method`` drafts with one, else None."""
+    if not method.needs_draft_model:
+        return None
+    if not layout.engine_dir("draft").exists():
+        raise EngineError(f"{layout.engine_dir('draft')}: no draft engine, and method {method.value!r} needs one; "
+                          f"build it (speculative.method: draft_model or ngram+draft) or use method 'ngram'")
+    draft_info = read_draft_engine(layout.root, target_info)
+    return _load_engine_model(layout.engine_dir("draft"), draft_info)[0]
 
 
 def _load_engine_model(folder: Path, info: EngineInfo):

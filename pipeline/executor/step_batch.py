@@ -1,8 +1,9 @@
 """What one engine step drafted, handed from the proposers to the verify.
 
 The proposers fill it row by row (:meth:`StepBatch.put`); :meth:`StepBatch.seal` lays the proposals out as the
-padded tensors the verify and the accept rule take. A row that drafts nothing this step (K = 0, or a lookup that
-found no match) has ``num_draft`` 0: its verify is a plain decoding step.
+padded tensors the verify and the accept rule take. A row that drafts nothing this step (K = 0, or nobody with
+anything to propose: a lookup without a match, Medusa heads before the row's first verify) has ``num_draft`` 0: its
+verify is a plain decoding step.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from .request import SpecRequest
 
 @dataclass
 class StepBatch:
-    requests: list[SpecRequest]  # [B] the running rows, in slot order
-    k: list[int] = field(default_factory=list)  # [B] draft budget of each row this step, after the batch's K cap
+    requests: list[SpecRequest]  # [B] the decoding rows, in the order the scheduler runs them
+    k: list[int] = field(default_factory=list)  # [B] each row's step_draft_len (after the batch's K cap)
     proposals: list[list[int]] = field(default_factory=list)  # [B][num_draft] each row's draft tokens
     proposal_probs: list[Tensor | None] = field(default_factory=list)  # [B] [num_draft, V] for sampled rows, else None
     proposer: list[Method | None] = field(default_factory=list)  # [B] who drafted each row (None: a plain step)

@@ -1,15 +1,17 @@
 """Draft-and-verify decoding on two TensorRT-LLM engines, behind the same contract as the torch executor.
 
 Per target step (one request):
-  1. Draft: the draft engine generates K tokens (and, for rejection sampling, their generation logits).
-  2. Verify: the target engine gets the sequence plus the K draft tokens as an ExternalDraftTokensConfig
+  1. Draft: the proposer that proposers.choose_drafter picks proposes up to K tokens: the draft engine generates them
+     (and, for rejection sampling, their generation logits), or an n-gram lookup finds them in the sequence.
+  2. Verify: the target engine gets the sequence plus the draft tokens as an ExternalDraftTokensConfig
      (via ModelRunnerCpp.generate(draft_tokens_list=..., draft_logits_list=...)) and, inside its compiled graph,
      keeps the accepted prefix and adds one recovered or bonus token: output = accepted + 1 token.
   3. Both engines see the grown sequence as a new request next step; KV-cache block reuse makes the shared
      prefix free, which is why the pinned release requires paged context FMHA and block reuse for this method.
 Prompt handling, K (fixed or "auto"), request checks, stops, UTF-8 deltas and statistics come from ExecutorBase and
-SpecRequest, shared with the torch executor. The engine boundary is pipeline.backends.trtllm_runner.TrtllmRunner;
-the real one is ModelRunnerEngine there, tests substitute a fake (named as such).
+SpecRequest, and the choice of proposer from proposers.choose_drafter, all shared with the torch executor. The
+engine boundary is pipeline.backends.trtllm_runner.TrtllmRunner; the real one is ModelRunnerEngine there, tests
+substitute a fake (named as such).
 
 A Medusa target (speculative.method: medusa) has no draft engine: its heads propose a tree and the engine verifies
 it inside, step after step, so one engine call decodes a whole request. TensorRT-LLM 1.1.0 verifies that tree by
@@ -28,8 +30,8 @@ from ..backends.trtllm_runner import EngineLimits, Sampling, TrtllmRunner
 from ..errors import EngineError, short_repr
 from ..methods import Method, NgramSettings, parse_method
 from ..speculative.ngram import propose_ngram
-from .base import ExecutorBase
-from .proposers import CostRatio, prefer_lookup
+from .base import ExecutorBase, checked_acceptance
+from .proposers import CostRatio, choose_drafter
 from .request import SpecRequest
 from .request_values import DraftLen
 from .results import RequestError, StreamEvent
@@ -90,8 +92,8 @@ def check_medusa_request(request: SpecRequest, tree_depth: int | None) -> None:
                            f"token), so sampled output would not follow the target's distribution; use temperature 0 "
                            f"(or top_k 1), or the torch backend, which samples losslessly over the tree")
     plan = request.plan
-    if plan.dynamic or plan.explicit and plan.k_max != tree_depth:
-        asked = "'auto'" if plan.dynamic else plan.k_max
+    if plan.dynamic or plan.explicit and plan.max_draft_len != tree_depth:
+        asked = "'auto'" if plan.dynamic else plan.max_draft_len
         raise RequestError(f"max_draft_len: {asked}, but a TensorRT-LLM Medusa engine verifies its whole tree "
                            f"(depth {tree_depth}, fixed when the engine is opened) every step; leave max_draft_len "
                            f"unset, or use the torch backend, which cuts the tree per request")
@@ -107,8 +109,7 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         """``method``: "draft_model", "ngram" (lookups fed to the target as external draft tokens, as TensorRT-LLM's
         examples/ngram does; ``draft`` may be None), "ngram+draft" (per step, the better of the two) or "medusa"
         (``target`` is a Medusa engine opened with ``medusa_choices``, its tree; ``draft`` is None)."""
-        if acceptance not in ("rejection", "greedy"):
-            raise ValueError(f"acceptance: {acceptance!r} must be 'rejection' or 'greedy'")
+        self.acceptance = checked_acceptance(acceptance)
         self.medusa_choices = medusa_choices
         self.has_medusa_heads = medusa_choices is not None
         self.method = engine_method(method, draft is not None, medusa_choices is not None, ValueError)
@@ -117,11 +118,10 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.limits = limits
         self.max_draft_len = max_draft_len
-        self.acceptance = acceptance
         self.eos_token_ids = sorted(set(eos_token_ids))
         self.max_input_len = limits.max_input_len
         self.max_seq_len = limits.max_seq_len
-        self.draft_len_limit = limits.max_draft_len
+        self.engine_draft_len = limits.engine_draft_len
 
     @property
     def has_draft_model(self) -> bool:
@@ -153,10 +153,15 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         trtllm_loading.import_tensorrt_llm("running TensorRT-LLM engines")  # first: without it nothing runs
         layout = Layout(Path(root))
         info = read_engine(layout.root, "target")
+        if info.backend != "trtllm":
+            raise EngineError(f"{layout.root}: engines built by the {info.backend} backend, and "
+                              f"TrtllmSpeculativeExecutor runs TensorRT-LLM's; open them with "
+                              f"pipeline.executor.open_executor(path), which returns the executor for the backend "
+                              f"that built them")
         method = engine_method(method or info.built_method(layout.engine_dir("draft").exists()), True,
                                bool(info.medusa_choices), EngineError)
         opened = trtllm_loading.open_engines(layout.root, method, target_device_ids, draft_device_ids)
-        return cls(opened.target, opened.draft, opened.tokenizer, opened.limits, opened.limits.max_draft_len,
+        return cls(opened.target, opened.draft, opened.tokenizer, opened.limits, opened.limits.engine_draft_len,
                    opened.acceptance, eos_token_ids=opened.eos_token_ids, method=method,
                    ngram=ngram or info.ngram_settings(), medusa_choices=opened.medusa_choices)
 
@@ -173,7 +178,7 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
                                       stop_token_ids, with_text, method, fit_max_tokens)
         check_implemented(request.method, RequestError)
         if self.has_medusa_heads:
-            check_medusa_request(request, self.draft_len_limit)
+            check_medusa_request(request, self.engine_draft_len)
         return request
 
     # ---- the contract's backend part ------------------------------------------------------------------------------
@@ -184,9 +189,9 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
             seed = request.seed if request.seed is not None else int(
                 torch.randint(0, 2 ** 62, (1,), generator=request.generator))
             while not request.finished:
-                k = request.draft_len()
+                k = request.step_draft_len()
                 step = request.stats.target_steps
-                if (k == 0 and request.plan.k_max == 0) or request.method == Method.MEDUSA:
+                if (k == 0 and request.plan.max_draft_len == 0) or request.method == Method.MEDUSA:
                     yield request, self._target_only(request, seed)
                     continue
                 tokens, drafted, accepted, proposer = self._step(request, k, seed, step)
@@ -202,7 +207,15 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         the proposer)."""
         seq = request.sequence
         use_logits = self.acceptance == "rejection" and request.params.temperature > 0
-        proposer, draft_tokens = self._choose(request, k)
+        found: dict[int, list[int]] = {}
+
+        def lookup(n: int) -> list[int]:  # one lookup per step, for the choice and the proposal alike
+            if n not in found:
+                found[n] = propose_ngram(seq, n, self.ngram.min_match, self.ngram.max_match)
+            return found[n]
+
+        proposer = choose_drafter(request, k, lookup, self.costs.value) if k > 0 else None
+        draft_tokens = lookup(k) if proposer == Method.NGRAM else []
         draft_logits = None
         if proposer == Method.DRAFT_MODEL:
             # Step 1: the draft proposes k tokens (it may stop early on EOS).
@@ -220,19 +233,6 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         # A recovered token never equals the rejected draft token, so the matching prefix is the accepted count.
         accepted = min(common_prefix(new_tokens, draft_tokens), len(draft_tokens))
         return new_tokens, len(draft_tokens), accepted, proposer if draft_tokens else None
-
-    def _choose(self, request: SpecRequest, k: int) -> tuple[Method | None, list[int]]:
-        """Who drafts this step, and a lookup's tokens (the proposers' rules, for one request)."""
-        if request.method == Method.DRAFT_MODEL:
-            return Method.DRAFT_MODEL, []
-        lookup = propose_ngram(request.sequence, k, self.ngram.min_match, self.ngram.max_match)
-        if request.method == Method.NGRAM:
-            return (Method.NGRAM, lookup) if lookup else (None, [])
-        if request.method == Method.NGRAM_DRAFT:
-            prefer = lookup and prefer_lookup(request, len(lookup), k, self.costs.value)
-            return (Method.NGRAM, lookup) if prefer else (Method.DRAFT_MODEL, [])
-        raise AssertionError(f"method {request.method.value!r} reached the draft loop; check_implemented lets "
-                             f"through only {[m.value for m in IMPLEMENTED]}")
 
     def _target_only(self, request: SpecRequest, seed: int) -> StreamEvent:
         """K = 0 for the whole request, or a Medusa engine (it drafts and verifies inside): one engine call

@@ -17,7 +17,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
-from ..triton.torch_repo import INPUTS, STREAM_MODEL
+from ..serving_contract import INPUTS, STREAM_MODEL
 from .errors import ApiError
 
 # tritonclient's own message limits; the reconnect backoff is bounded so the proxy finds a restarted tritonserver

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import time
@@ -32,13 +33,67 @@ def add_triton_parsers(sub, common) -> None:
                    help="also serve an OpenAI-compatible HTTP API (/v1/models, /v1/completions, /v1/chat/completions, "
                         "streaming as server-sent events) in front of the same models, on serve.bind_address "
                         "(torch backend)")
-    p.add_argument("--openai-port", type=int, default=None,
+    p.add_argument("--openai-port", type=_port, default=None,
                    help="port of the OpenAI-compatible API (default: the config's serve.openai_port, 8080)")
+    for flag, key in PORT_FLAGS:
+        p.add_argument(flag, type=_port, default=None, dest=key,
+                       help=f"port of {PORT_WHAT[key]} (default: the config's serve.{key})")
     p.add_argument("--api-key-file", type=Path, default=None,
                    help="file (mode 600) whose first line is the API key every endpoint then requires as "
                         "`Authorization: Bearer <key>`; instead of serve.api_key_env. Never pass a key itself on "
                         "the command line: every local user can read it there")
     p.set_defaults(func=cmd_serve)
+
+
+# serve's port flags and the serve.<key> each overrides (--openai-port, which needs --openai, is declared beside it).
+PORT_FLAGS = [("--http-port", "http_port"), ("--grpc-port", "grpc_port"), ("--metrics-port", "metrics_port")]
+PORT_WHAT = {"http_port": "Triton's HTTP API", "grpc_port": "Triton's gRPC API",
+             "metrics_port": "Triton's Prometheus metrics"}
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port number (argparse prefixes the flag to the message)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number; give an integer from 1 to 65535") from None
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"{port} is not a port number; give an integer from 1 to 65535")
+    return port
+
+
+def with_port_flags(config, args):
+    """The config with serve's port flags applied to its serve section, checked as the config's own ports are
+    (all four distinct); errors name the flag. The rest of serve reads the ports from config.serve."""
+    from ..config import ServeSpec
+
+    flags = {key: (flag, getattr(args, key)) for flag, key in PORT_FLAGS if getattr(args, key) is not None}
+    if args.openai_port is not None:
+        flags["openai_port"] = ("--openai-port", args.openai_port)
+    if not flags:
+        return config
+    if config.backend == "trtllm":
+        names = ", ".join(flag for flag, _ in flags.values())
+        raise PipelineError(f"{names}: not for the trtllm backend: serve only prints the launch command of the "
+                            f"repository, whose ports deploy takes from the config; set serve.http_port / grpc_port "
+                            f"/ metrics_port there and run `python -m pipeline deploy CONFIG --force`")
+    ports = {key: getattr(config.serve, key) for key in ("http_port", "grpc_port", "metrics_port", "openai_port")}
+    ports.update({key: value for key, (_, value) in flags.items()})
+    for key, (flag, value) in flags.items():
+        for other, other_value in ports.items():
+            if other != key and other_value == value:
+                clash = flags[other][0] if other in flags else f"serve.{other}"
+                raise PipelineError(f"{flag}: {value} is also {clash}; serve's HTTP, gRPC, metrics and OpenAI ports "
+                                    f"must differ, choose another port")
+    serve = ServeSpec.model_validate({**config.serve.model_dump(), **ports})
+    return config.model_copy(update={"serve": serve})
+
+
+def _name_port_flags(message: str, args) -> str:
+    for flag, key in [*PORT_FLAGS, ("--openai-port", "openai_port")]:
+        if getattr(args, key) is not None:
+            message = message.replace(f"serve.{key}: ", f"{flag}: ")
+    return message
 
 
 def cmd_deploy(args) -> int:
@@ -76,15 +131,19 @@ def cmd_serve(args) -> int:
 
     config = load_config(args.config)
     _check_serve_args(args, config)
+    config = with_port_flags(config, args)
     fronts = None
     if config.backend == "torch":
         from ..stages import verify_engines
         from .fronts import Fronts, load_api_key
 
         verify_engines(config, args.engines_dir)  # damaged or edited engines are refused before Triton loads them
-        openai_port = (args.openai_port or config.serve.openai_port) if args.openai else None
+        openai_port = config.serve.openai_port if args.openai else None
         # Ports first: one in use fails before anything is deployed or started.
-        fronts = Fronts(config, load_api_key(config, args.api_key_file), openai_port).reserve()
+        try:
+            fronts = Fronts(config, load_api_key(config, args.api_key_file), openai_port).reserve()
+        except PipelineError as exc:  # a port in use: name the flag that chose it, not the config key it overrode
+            raise PipelineError(_name_port_flags(str(exc), args)) from None
     try:
         result = deploy(config, args.engines_dir)
     except BaseException:
@@ -110,12 +169,6 @@ def _check_serve_args(args, config) -> None:
     if config.backend == "trtllm" and args.api_key_file is not None:
         raise PipelineError("--api-key-file: not for the trtllm backend: serve only prints the launch command there; "
                             "put the TensorRT-LLM container behind a proxy that checks keys")
-    s = config.serve
-    taken = {s.http_port: "serve.http_port", s.grpc_port: "serve.grpc_port", s.metrics_port: "serve.metrics_port"}
-    port = args.openai_port or s.openai_port
-    if args.openai and port in taken:
-        setting = "serve.openai_port" if args.openai_port is None else "--openai-port"
-        raise PipelineError(f"{setting}: {port} is also {taken[port]}; choose another port for the OpenAI endpoint")
 
 
 def _print_trtllm_launch(result) -> None:

@@ -142,10 +142,11 @@ def _prompt(get: GetInput, max_input_len: int | None) -> tuple[str | list[int] |
     return [int(t) for t in ids.reshape(-1)], None
 
 
-def parse_request(get: GetInput, draft_len_limit: int, max_input_len: int | None = None) -> GenerateArgs:
+def parse_request(get: GetInput, engine_draft_len: int, max_input_len: int | None = None) -> GenerateArgs:
     """Validate one request; raises RequestError naming the input, the bad value and the fix.
 
-    ``max_input_len`` (the engine's, in tokens) bounds the prompt before it is decoded or tokenized; without it
+    ``engine_draft_len`` bounds num_draft_tokens (the request's max_draft_len); ``max_input_len`` (the engine's, in
+    tokens) bounds the prompt before it is decoded or tokenized; without it
     the bound is FALLBACK_MAX_INPUT_LEN.
     """
     prompt, messages = _prompt(get, max_input_len)  # messages are encoded later, with the model's tokenizer
@@ -159,7 +160,7 @@ def parse_request(get: GetInput, draft_len_limit: int, max_input_len: int | None
     seed = _one(get, "seed", "iu")
     k = _one(get, "num_draft_tokens", "iu")
     try:
-        validate_request(max_tokens, temperature, top_k, top_p, seed, k, draft_len_limit=draft_len_limit,
+        validate_request(max_tokens, temperature, top_k, top_p, seed, k, engine_draft_len=engine_draft_len,
                          names=TRITON_NAMES)
     except RequestError as exc:
         if max_tokens < -1:  # Triton's JSON parser keeps only the low 32 bits of a number above INT32's range

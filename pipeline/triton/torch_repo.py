@@ -16,44 +16,11 @@ from pathlib import Path
 from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import PipelineConfig
+from ..serving_contract import ENGINE_INPUTS, INPUTS, MODEL, OUTPUTS, REQUIRED_INPUTS, STREAM_MODEL
 from .pbtxt import cpu_instances, set_parameters, tensor_in, tensor_out, write_model
 
-MODEL = "speculative"
-STREAM_MODEL = "speculative_stream"
 MODEL_FILE = Path(__file__).with_name("python_model") / "model.py"
 PIPELINE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `pipeline` package
-
-INPUTS: list[tuple[str, str, list[int]]] = [
-    ("text_input", "STRING", [1]),
-    ("input_ids", "INT32", [-1]),
-    ("messages", "STRING", [1]),  # JSON text of [{"role": ..., "content": ...}, ...], through the chat template
-    ("max_tokens", "INT32", [1]),
-    ("temperature", "FP32", [1]),
-    ("top_k", "INT32", [1]),
-    ("top_p", "FP32", [1]),
-    ("seed", "UINT64", [1]),
-    ("num_draft_tokens", "INT32", [1]),
-    # True: max_tokens is lowered to what the KV pool holds for this prompt instead of the request being refused
-    # (the OpenAI endpoint sends it for a request without max_tokens: it cannot count a chat's prompt tokens).
-    ("max_tokens_fit", "BOOL", [1]),
-    ("cache_salt", "STRING", [1]),  # requests share cached prefix blocks only with requests of the same salt
-]
-REQUIRED_INPUTS = {"max_tokens"}  # one of text_input / input_ids / messages is checked by the model
-# The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.
-ENGINE_INPUTS: list[tuple[str, str, list[int]]] = [("request_key", "STRING", [1]), ("cancel_request", "STRING", [1]),
-                                                   ("final_only", "BOOL", [1])]
-
-OUTPUTS: list[tuple[str, str, list[int]]] = [
-    ("text_output", "STRING", [1]),
-    ("output_ids", "INT32", [-1]),
-    ("finish_reason", "STRING", [1]),
-    ("prompt_tokens", "INT32", [1]),
-    ("draft_tokens", "INT32", [1]),
-    ("accepted_tokens", "INT32", [1]),
-    ("target_steps", "INT32", [1]),
-    ("acceptance_rate", "FP32", [1]),
-    ("mean_accepted_len", "FP32", [1]),
-]
 
 
 def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: Path) -> mc.ModelConfig:

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.backends import trtllm
 from pipeline.backends.trtllm_api import PINNED_VERSION
-from pipeline.backends.trtllm_loading import check_pair
+from pipeline.backends.trtllm_loading import preflight_pair
 from pipeline.config import load_config
 from pipeline.errors import EngineError
 from pipeline.methods import Method
@@ -21,7 +21,7 @@ from tests.fake_trtllm import fake_engine_config, seal_stage
 CONFIG = REPO / "configs" / "llama3.1-8b_llama3.2-1b.yaml"
 
 
-def test_check_pair_over_an_engines_folder(tmp_path):
+def test_preflight_pair_over_an_engines_folder(tmp_path):
     """engine.json as trtllm.build writes it, a manifest, and the engine's own config.json."""
     config = load_config(CONFIG)
     for role in ("target", "draft"):
@@ -31,9 +31,9 @@ def test_check_pair_over_an_engines_folder(tmp_path):
         (folder / "engine.json").write_text(json.dumps(trtllm.engine_info(config, role, "1.0.0")))
         seal_stage(folder, {"stage": "build", "role": role})
     with pytest.raises(EngineError) as err:
-        check_pair(tmp_path, PINNED_VERSION)
+        preflight_pair(tmp_path, PINNED_VERSION)
     assert str(err.value).count("version is '1.0.0'") == 2 and "\n" not in str(err.value)
-    target, draft = check_pair(tmp_path, "1.0.0")
+    target, draft = preflight_pair(tmp_path, "1.0.0")
     assert target.backend == draft.backend == "trtllm" and target.max_draft_len == 4 and draft.max_draft_len == 0
     assert (target.role, draft.role) == ("target", "draft")
     assert set(target.extra) >= {"tp", "pp", "trtllm_version", "kv_cache_free_gpu_mem_fraction", "target_device_ids"}
@@ -115,8 +115,12 @@ def test_ngram_loads_only_the_target_engine(monkeypatch, tmp_path):
     seal_stage(folder, {"stage": "build", "role": "target"})
     executor = TrtllmSpeculativeExecutor.from_engines(tmp_path)
     assert executor.method == "ngram" and executor.draft is None and executor.ngram.max_match == 3
-    from pipeline.executor import SpeculativeExecutor
+    from pipeline.executor import SpeculativeExecutor, open_executor
 
-    with pytest.raises(EngineError, match="compile, adaptive_draft_len: torch-backend options"):
-        SpeculativeExecutor.from_engines(tmp_path, compile=True, adaptive_draft_len=True)
-    assert SpeculativeExecutor.from_engines(tmp_path).method == "ngram"
+    # open_executor opens the folder with the executor of the backend that built it; the torch class says why not.
+    with pytest.raises(EngineError, match="built by the trtllm backend.*open_executor"):
+        SpeculativeExecutor.from_engines(tmp_path)
+    with pytest.raises(EngineError, match="compile, adaptive_draft_len: torch-runtime options"):
+        open_executor(tmp_path, compile=True, adaptive_draft_len=True)
+    opened_here = open_executor(tmp_path)
+    assert isinstance(opened_here, TrtllmSpeculativeExecutor) and opened_here.method == "ngram"

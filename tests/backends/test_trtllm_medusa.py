@@ -304,7 +304,7 @@ def test_opening_a_medusa_engine_passes_the_whole_tree(recording_runner, config,
     # The runtime gets every node of the tree once, parents first (the C++ runtime does not expand leaves).
     assert opened["medusa_choices"] == [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
     assert opened["kv"] == 0.85 and opened["logits"] is False  # no draft to share the GPU with, no draft logits
-    assert executor.draft_len_limit == 3  # K is the tree's depth
+    assert executor.engine_draft_len == 3  # K is the tree's depth
     with pytest.raises(EngineError, match="built for Medusa"):
         TrtllmSpeculativeExecutor.from_engines(tmp_path, method="ngram")
 
@@ -316,3 +316,23 @@ def test_a_target_built_for_draft_tokens_is_not_opened_as_medusa(recording_runne
     with pytest.raises(EngineError, match="not medusa"):
         TrtllmSpeculativeExecutor.from_engines(tmp_path)
     assert recording_runner == []
+
+
+def test_shipped_vicuna_config_converts_as_the_recorded_example_does():
+    """configs/vicuna-7b-medusa.yaml: the public pair of TensorRT-LLM's Medusa example (recorded
+    examples/medusa/README.md: vicuna-7b-v1.3 with FasterDecoding's medusa-vicuna-7b-v1.3, float16, 4 heads), its
+    converter command accepted by the recorded converter's own parser."""
+    from pipeline.config import load_config
+    from tests.conftest import REPO
+    from tests.recorded_source import MEDUSA_CONVERTER as RECORDED
+
+    config = load_config(REPO / "configs" / "vicuna-7b-medusa.yaml")
+    readme = (RECORDED.parents[0] / "README.md").read_text()
+    assert "lmsys/vicuna-7b-v1.3" in readme and "FasterDecoding/medusa-vicuna-7b-v1.3" in readme
+    assert "--dtype float16" in readme and "--num_medusa_heads 4" in readme
+    args, _ = recorded_converter_args(medusa_convert_argv(config, config.target.model, "llama", Path("/ckpt"))[2:])
+    assert (args.model_dir, args.dtype, args.num_medusa_heads, args.num_medusa_layers) == (
+        "lmsys/vicuna-7b-v1.3", "float16", 4, 1)
+    assert Path(args.medusa_model_dir).name == "medusa-vicuna-7b-v1.3"
+    assert args.max_medusa_token_len == 63 and config.speculative.medusa.tree().max_depth == 4  # mc_sim_7b_63
+    assert config.draft is None and config.roles == ("target",)

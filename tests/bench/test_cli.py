@@ -1,5 +1,6 @@
 """`python -m pipeline bench` (pipeline/bench/cli.py) end to end on the tiny pair: results.json fields, consistent
-values, the PNG; `--prompts` files whose labels make the sets, chats included (tests/chat_helpers.py).
+values, the repeats' spread, the time estimate printed before the timed part, the PNG; `--prompts` files whose labels
+make the sets, chats included (tests/chat_helpers.py).
 
 Token counts are tiny so each run takes seconds; timing values are never compared with thresholds.
 """
@@ -18,7 +19,9 @@ from tests.conftest import load_tiny_models, tiny_config_dict, write_config
 
 FIELDS = {"method", "k", "tokens_per_s", "speedup_vs_target", "acceptance_rate", "mean_accepted_len",
           "cost_ratio_c", "bound_speedup", "efficiency", "itl_ms_p50", "itl_ms_p90", "ttft_ms",
-          "verify_cost_ratio", "prompt_set", "alpha", "bound_speedup_refined"}
+          "verify_cost_ratio", "prompt_set", "alpha", "bound_speedup_refined",
+          "tokens_per_s_min", "tokens_per_s_max", "tokens_per_s_by_repeat", "speedup_min", "speedup_max", "spread",
+          "noisy", "noise"}
 QUICK = ["--max-new-tokens", "6", "--num-prompts", "2", "--repeats", "1"]
 
 
@@ -32,12 +35,12 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     out = engines.parent / "bench-out"
     # The engines were built for K <= 4: a sweep to 6 is clipped with a note rather than failing.
     assert main(["bench", str(config), "--engines-dir", str(engines), "--out", str(out), "--k-max", "6",
-                 "--skip-hf", *QUICK]) == 0
+                 "--skip-hf", "--max-new-tokens", "6", "--num-prompts", "2", "--repeats", "2"]) == 0
     printed = capsys.readouterr()
-    assert "K = 1..4" in printed.out + printed.err
+    assert "the target engine was built for K <= 4; sweeping K = 1,2,4 " in printed.out + printed.err
     data, records = _results(out)
     assert data["machine"]["cpu_count"] >= 1 and data["machine"]["device"] == "cpu"
-    assert data["options"]["k_max"] == 4
+    assert data["options"]["k_max"] == 4 and data["options"]["k_values"] == [1, 2, 4]
     assert data["loaded_from"].startswith("engines")
     for record in records:
         assert FIELDS <= record.keys(), FIELDS - record.keys()
@@ -49,7 +52,8 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     (target,) = by_method["target"]
     assert target["k"] == 0 and target["speedup_vs_target"] == 1.0 and target["bound_speedup"] == 1.0
     assert target["mean_accepted_len"] == 1.0 and target["acceptance_rate"] == 0.0
-    assert sorted(r["k"] for r in by_method["speculative"]) == [1, 2, 3, 4]
+    # the default sweep for --k-max 6 is 1, 2, 4, 6; the engines' K <= 4 leaves 1, 2, 4
+    assert sorted(r["k"] for r in by_method["speculative"]) == [1, 2, 4]
     c = data["cost_terms"]["cost_ratio_c"]
     for record in by_method["speculative"]:
         k = record["k"]
@@ -82,6 +86,35 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     assert len(terms["verify_cost_ratio"]) == 4 and "verify cost K=1..4:" in printed.out  # one per K, printed
     png = out / "results.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    _check_spread_and_timing(data, printed.out)
+
+
+def _check_spread_and_timing(data, printed):
+    """Every timed record keeps each repeat's rate and its range around the median; the estimate of the timed part
+    (one calibration generation per method, times the plan's size) is printed before the table."""
+    for record in data["records"]:
+        assert len(record["tokens_per_s_by_repeat"]) == record["repeats"] == data["options"]["repeats"]
+        assert record["tokens_per_s_min"] == min(record["tokens_per_s_by_repeat"])
+        assert record["tokens_per_s_max"] == max(record["tokens_per_s_by_repeat"])
+        assert record["speedup_min"] <= record["speedup_vs_target"] <= record["speedup_max"]
+        assert isinstance(record["noisy"], bool) and (record["noise"] is None) != record["noisy"]
+    methods = {(r["method"], r["k"]) for r in data["records"]}
+    prompts = sum({r["set"]: r["prompts"] for r in data["records"]}.values())
+    estimated = data["timing"]["estimated"]
+    assert estimated["generations"] == len(methods) * prompts * data["options"]["repeats"]
+    assert estimated["seconds"] > 0 and data["timing"]["timed_s"] > 0
+    assert data["timing"]["total_s"] >= data["timing"]["timed_s"]
+    full = data["timing"]["full_run"]
+    assert full["flags"] == "--num-prompts 8 --max-new-tokens 64 --k-values all --repeats 3"
+    assert full["generations"] > estimated["generations"]
+    announced = re.search(rf"bench: {estimated['generations']} timed generations \(.*\) will take about .* a full "
+                          rf"run \(--num-prompts 8 .*\) would take about", printed)
+    assert announced and announced.start() < printed.index("weight GB/s")  # before the table
+    assert "bench took " in printed
+    best = data["best"]["code"]["speculative"]
+    spec = {r["k"]: r for r in data["records"] if r["method"] == "speculative"}
+    assert best["speedup_vs_target"] == max(r["speedup_vs_target"] for r in spec.values())
+    assert best["speedup_vs_target"] == spec[best["k"]]["speedup_vs_target"]
 
 
 def test_bench_from_model_folders_with_a_short_hf_run(tiny_pair, tmp_path, capsys):

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.bench.cli import summary_lines
+from pipeline.bench.report import summary_lines
 from pipeline.bench.llamacpp import (check_binary, check_gguf, default_ggufs, llamacpp_records, parse_llama_bench,
                                      plan_from_args, precision_of, run_llama_bench, run_llamacpp, summary_line)
 from pipeline.bench.plot import plot_results

@@ -1,9 +1,12 @@
 """`python -m pipeline profile` (pipeline/bench/profile.py): measured acceptance and cost ratio -> a recommended draft
-and K, no engines; prompts files with chats."""
+and K, no engines, overall and per set label; prompts files with chats."""
 
 from __future__ import annotations
 
 import json
+import re
+
+import pytest
 
 from pipeline.cli import main
 from tests.conftest import tiny_config_dict, write_config
@@ -121,3 +124,29 @@ def test_each_candidate_runs_in_the_dtype_a_build_would_give_it(tiny_pair, tmp_p
         ("bfloat16" if cpu_runs_natively("bfloat16") else "float32")
     assert _draft_dtype(str(sixteen), sixteen, config, "cuda") in ("bfloat16", "float16")
     assert _draft_dtype("missing", None, config, "cpu") is None
+
+
+def test_profile_recommends_per_set_label_as_well_as_overall(tiny_config, tmp_path, capsys):
+    """Labelled prompts are not pooled into one answer: each set gets its own recommendation and figures, from the
+    same generations, costed with the candidate's one measured c and verify cost."""
+    prompts = tmp_path / "labelled.jsonl"
+    prompts.write_text("\n".join(json.dumps(line) for line in [
+        {"text": "def add(a, b):", "set": "code"}, {"text": "import os\nimport sys\n", "set": "code"},
+        {"text": "class Stack:\n    def push(self, item):", "set": "classes"}]))
+    assert main(["profile", str(tiny_config), "--prompts", str(prompts), "--k-max", "2", "--max-new-tokens", "6",
+                 "--json"]) == 0
+    out = capsys.readouterr().out
+    text, profiles = out[:out.index("\n[\n")], json.loads(out[out.index("\n[\n") + 1:])
+    assert "recommend over all prompts:" in text
+    assert re.search(r"^recommend for set code \(2 prompts\): ", text, re.M)
+    assert re.search(r"^recommend for set classes \(1 prompts\): ", text, re.M)
+    assert re.search(r"^best K per set +code +classes *$", text, re.M)
+    for p in (p for p in profiles if p["method"] in ("draft_model", "ngram")):
+        assert {name: figures["prompts"] for name, figures in p["per_set"].items()} == {"code": 2, "classes": 1}
+        c, verify = p["cost_ratio_c"], p["verify_cost_ratio"]
+        for figures in p["per_set"].values():
+            survival = figures["acceptance_by_position"]
+            for k in (1, 2):
+                assert figures["expected_speedup"][k - 1] == pytest.approx((1 + sum(survival[:k])) /
+                                                                           (k * c + verify[k - 1]))
+            assert figures["best_speedup"] == max(figures["expected_speedup"])

@@ -80,7 +80,7 @@ def _check(outcomes, expected):
 
 def test_concurrent_mixed_load(server, expected, tmp_path):
     executor, answers = expected
-    k = executor.draft_len_limit or executor.max_draft_len
+    k = executor.engine_draft_len or executor.max_draft_len
     assert load.engine_k(server.endpoints.http, "speculative") == k
     assert len(executor.encode("x = 1\n" * 400)) > executor.max_input_len  # so it is refused
     pid = server_pid(server)

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from pipeline.backends.trtllm_runner import EngineLimits
-from pipeline.executor import RequestError, SpeculativeExecutor
+from pipeline.executor import RequestError, SpeculativeExecutor, batching_engine, trtllm_executor
 from pipeline.executor.trtllm_executor import TrtllmSpeculativeExecutor
+from pipeline.methods import Method
 from tests.conftest import load_tiny_models
 from tests.fake_trtllm import FakeTrtllmEngine
 
@@ -36,13 +37,16 @@ def reference(models):
 @pytest.fixture(params=[(backend, method) for backend in ("torch", "trtllm-fake")
                         for method in ("draft_model", "ngram", "ngram+draft")], ids=lambda p: "-".join(p))
 def executor(request, models):
+    return make_executor(models, *request.param)
+
+
+def make_executor(models, backend: str, method: str):
     target, draft, tok = models
-    backend, method = request.param
     if backend == "torch":
         return SpeculativeExecutor(target, None if method == "ngram" else draft, tok, max_draft_len=4,
-                                   max_seq_len=128, max_input_len=64, draft_len_limit=4, method=method)
+                                   max_seq_len=128, max_input_len=64, engine_draft_len=4, method=method)
     return TrtllmSpeculativeExecutor(FakeTrtllmEngine(target), None if method == "ngram" else FakeTrtllmEngine(draft),
-                                     tok, EngineLimits(max_input_len=64, max_seq_len=128, max_draft_len=4),
+                                     tok, EngineLimits(max_input_len=64, max_seq_len=128, engine_draft_len=4),
                                      max_draft_len=4, acceptance="greedy",
                                      eos_token_ids=[tok.eos_token_id] if tok.eos_token_id is not None else [],
                                      method=method)
@@ -62,6 +66,28 @@ def test_greedy_equals_target_greedy(executor, reference, k):
         assert sum(d for d, _, _ in s.by_proposer.values()) == s.draft_tokens
     if k != 0:
         assert sum(r.stats.draft_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "trtllm-fake"])
+@pytest.mark.parametrize("picked", [Method.NGRAM, Method.DRAFT_MODEL, None], ids=str)
+def test_each_step_drafts_with_the_proposer_the_shared_dispatch_picks(models, reference, monkeypatch, backend,
+                                                                       picked):
+    """One dispatch for both executors: every drafting step asks proposers.choose_drafter who drafts and follows the
+    answer (the lookup, the draft model, or nobody: a plain step)."""
+    asked = []
+
+    def pick(request, step_draft_len, lookup, cost_ratio):
+        asked.append((request.method, step_draft_len))
+        return picked
+
+    monkeypatch.setattr(batching_engine, "choose_drafter", pick)
+    monkeypatch.setattr(trtllm_executor, "choose_drafter", pick)
+    results = make_executor(models, backend, "ngram+draft").generate(PROMPTS, N)
+    assert asked and all(method == Method.NGRAM_DRAFT and 0 < k <= 4 for method, k in asked)
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == reference[prompt]
+        assert {name for name, (drafted, _, _) in result.stats.by_proposer.items() if drafted} <= {picked}
+    assert (sum(r.stats.draft_tokens for r in results) > 0) == (picked is not None)
 
 
 def test_stop_tokens_and_exact_lengths(executor, reference):
@@ -104,8 +130,8 @@ def test_request_errors_are_request_errors(executor, kwargs, match):
 def test_limits_hold_exactly_at_their_boundaries(executor):
     """The limits callers read are the ones enforced, to the token: a prompt of exactly max_input_len tokens that
     generates up to exactly max_seq_len is served (drafting stays inside the KV capacity at the end), and one token
-    more of either, or K above draft_len_limit, is refused."""
-    assert (executor.max_input_len, executor.max_seq_len, executor.draft_len_limit) == (64, 128, 4)
+    more of either, or K above engine_draft_len, is refused."""
+    assert (executor.max_input_len, executor.max_seq_len, executor.engine_draft_len) == (64, 128, 4)
     executor.eos_token_ids = []  # run to the limit: no early end of sequence
     prompt = list(range(10, 10 + 64))
     (result,) = executor.generate([prompt], 128 - 64, max_draft_len=4)

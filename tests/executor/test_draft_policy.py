@@ -17,7 +17,7 @@ import torch
 
 from pipeline.executor.draft_policy import DraftPolicy, ForwardCost, PLAIN_EVERY
 
-K_MAX = 8
+ENGINE_DRAFT_LEN = 8
 OVERHEAD = 0.2  # of a step's cost, spent outside the forward (sampling, accept rule, bookkeeping)
 
 
@@ -33,8 +33,8 @@ def compute_bound(tokens: int) -> float:
 
 def calibrated(cost: Callable[[int], float], rows: int = 1) -> DraftPolicy:
     """A policy calibrated as the engine calibrates it: bare forwards at the widths it will use."""
-    policy = DraftPolicy(K_MAX)
-    widths = range(1, K_MAX + 2) if rows == 1 else (1, K_MAX // 2 + 1, K_MAX + 1)
+    policy = DraftPolicy(ENGINE_DRAFT_LEN)
+    widths = range(1, ENGINE_DRAFT_LEN + 2) if rows == 1 else (1, ENGINE_DRAFT_LEN // 2 + 1, ENGINE_DRAFT_LEN + 1)
     for width in widths:
         policy.target.record(rows * width, cost(rows * width) - OVERHEAD)
     return policy
@@ -58,7 +58,8 @@ def serve(cost: Callable[[int], float], requests: list[list[float]], fixed_k: in
         ids = [index * rows + row for row in range(rows)]
         tokens = seconds = drafted = 0.0
         for alpha in alphas:
-            limits = [K_MAX if rng.random() < match else 0 for _ in ids]  # a lookup finds a match, or nothing
+            # a lookup finds a match, or nothing
+            limits = [ENGINE_DRAFT_LEN if rng.random() < match else 0 for _ in ids]
             k = policy.plan(ids, limits, [False] * rows) if fixed_k is None else fixed_k
             ks = [min(k, limit) for limit in limits]
             for row, k_row in zip(ids, ks):
@@ -79,7 +80,7 @@ def run(cost: Callable[[int], float], alphas: list[float], **kwargs) -> tuple[fl
 
 
 def best_fixed(cost, alphas: list[float], **kwargs) -> float:
-    return max(run(cost, alphas, fixed_k=k, **kwargs)[0] for k in range(K_MAX + 1))
+    return max(run(cost, alphas, fixed_k=k, **kwargs)[0] for k in range(ENGINE_DRAFT_LEN + 1))
 
 
 @pytest.mark.parametrize("alpha", [0.7, 0.85])
@@ -91,7 +92,7 @@ def test_reaches_nine_tenths_of_the_best_fixed_k_when_lookups_pay(alpha, match):
     alphas = [0.05] * 8 + [alpha] * 300
     rate, mean_k = run(memory_bound, alphas, match=match)
     assert rate >= 0.9 * best_fixed(memory_bound, alphas, match=match)
-    assert mean_k >= 0.5 * K_MAX * match
+    assert mean_k >= 0.5 * ENGINE_DRAFT_LEN * match
 
 
 @pytest.mark.parametrize("alpha", [0.03, 0.05])
@@ -122,7 +123,7 @@ def test_a_server_learns_each_request_on_its_own():
     rates = [rate for rate, _ in serve(memory_bound, requests)]
     plain = [rate for rate, _ in serve(memory_bound, requests, fixed_k=0)]
     best = [max(rates) for rates in zip(*(
-        [rate for rate, _ in serve(memory_bound, requests, fixed_k=k)] for k in range(K_MAX + 1)))]
+        [rate for rate, _ in serve(memory_bound, requests, fixed_k=k)] for k in range(ENGINE_DRAFT_LEN + 1)))]
     assert rates[1] >= 0.97 * plain[1] and rates[2] >= 0.97 * plain[2]
     assert rates[0] >= 0.9 * best[0] and rates[3] >= 0.9 * best[3]
 
@@ -137,13 +138,13 @@ def test_drafts_little_when_the_batch_is_compute_bound():
 
 def test_new_rows_draft_before_any_evidence():
     policy = calibrated(memory_bound)
-    assert policy.plan([7], [K_MAX], [False]) > 0  # optimism: find out first
+    assert policy.plan([7], [ENGINE_DRAFT_LEN], [False]) > 0  # optimism: find out first
 
 
 def test_a_plain_step_now_and_then():
     """Every PLAIN_EVERY-th step runs without drafting, so the plain step's cost is measured while drafting wins."""
     policy = calibrated(memory_bound)
-    caps = [policy.plan([1], [K_MAX], [False]) for _ in range(2 * PLAIN_EVERY)]
+    caps = [policy.plan([1], [ENGINE_DRAFT_LEN], [False]) for _ in range(2 * PLAIN_EVERY)]
     assert [i for i, cap in enumerate(caps) if cap == 0] == [PLAIN_EVERY - 1, 2 * PLAIN_EVERY - 1]
 
 
@@ -208,40 +209,40 @@ class _WidthRecorder(torch.nn.Module):
 
 def test_calibration_times_every_verify_width_at_batch_one():
     target, draft = _WidthRecorder(), _WidthRecorder()
-    DraftPolicy(K_MAX).calibrate(target, draft, max_rows=4, device="cpu", vocab=16, repeats=1)
-    assert {(1, width) for width in range(1, K_MAX + 2)} <= target.shapes  # K+1 for every K at batch 1
-    assert {(4, 1), (4, K_MAX + 1)} <= target.shapes
+    DraftPolicy(ENGINE_DRAFT_LEN).calibrate(target, draft, max_rows=4, device="cpu", vocab=16, repeats=1)
+    assert {(1, width) for width in range(1, ENGINE_DRAFT_LEN + 2)} <= target.shapes  # K+1 for every K at batch 1
+    assert {(4, 1), (4, ENGINE_DRAFT_LEN + 1)} <= target.shapes
     assert {w for _, w in draft.shapes} == {1}
 
 
 def test_draft_policy_stops_drafting_when_it_does_not_pay():
-    policy = DraftPolicy(k_max=6)
+    policy = DraftPolicy(engine_draft_len=6)
     for tokens in (1, 8, 64, 256):
         policy.target.record(tokens, 0.010 + 0.0001 * tokens)  # flat, then compute-bound
         policy.draft.record(tokens, 0.001 + 0.00001 * tokens)
     assert policy.choose([0.8], [6]) >= 3  # batch 1, a good cheap draft: draft a lot
     assert policy.choose([0.05] * 4, [6] * 4) == 0  # a draft the target rejects never pays
-    expensive = DraftPolicy(k_max=6)
+    expensive = DraftPolicy(engine_draft_len=6)
     for tokens in (1, 8, 64, 256):
         expensive.target.record(tokens, 0.0004 * tokens)  # every verified token costs as much as one step
         expensive.draft.record(tokens, 0.0003 * tokens)
     assert expensive.choose([0.6] * 32, [6] * 32) == 0
     assert policy.choose([0.8] * 4, [2] * 4) >= 1 and policy.choose([], []) == 0
     # A draft model as slow as the target never pays at this rate; n-gram lookups (no draft forward) do.
-    slow_draft = DraftPolicy(k_max=6)
+    slow_draft = DraftPolicy(engine_draft_len=6)
     for tokens in (1, 8, 64, 256):
         slow_draft.target.record(tokens, 0.010 + 0.0001 * tokens)
         slow_draft.draft.record(tokens, 0.010)
     assert slow_draft.choose([0.5], [6]) == 0
     assert slow_draft.choose([0.5], [6], uses_model=[False]) >= 1
-    lookups = DraftPolicy(k_max=8)
+    lookups = DraftPolicy(engine_draft_len=8)
     for tokens, seconds in ((1, 0.010), (2, 0.0101), (9, 0.011)):
         lookups.target.record(tokens, seconds)
     assert lookups.choose([0.5], [8], uses_model=[False]) >= 1
     assert lookups.choose([0.17], [0], uses_model=[False]) == 0  # no match found: nothing to verify
     # The verify packs the rows' tokens: one row's long lookup adds only its own tokens (8 + K), which stays
     # cheap; had every row been padded to its width (72 tokens, compute-bound) it would not pay.
-    packed = DraftPolicy(k_max=8)
+    packed = DraftPolicy(engine_draft_len=8)
     for tokens, seconds in ((8, 0.008), (16, 0.0085), (72, 0.072)):  # cheap to 16 tokens, compute-bound to 72
         packed.target.record(tokens, seconds)
     assert packed.choose([0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) >= 1

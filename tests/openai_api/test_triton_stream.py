@@ -9,7 +9,7 @@ import pytest
 pytest.importorskip("tritonclient.grpc")
 
 from pipeline.openai_api.triton_stream import infer_inputs, request_error  # noqa: E402
-from pipeline.triton.torch_repo import INPUTS  # noqa: E402
+from pipeline.serving_contract import INPUTS  # noqa: E402
 
 
 def test_values_become_batch_of_one_tensors_of_the_models_dtypes():
@@ -26,7 +26,7 @@ def test_values_become_batch_of_one_tensors_of_the_models_dtypes():
 
 
 def test_max_tokens_fit_is_a_bool_tensor():
-    assert ("max_tokens_fit", "BOOL", [1]) in INPUTS  # the models' own table (pipeline/triton/torch_repo.py)
+    assert ("max_tokens_fit", "BOOL", [1]) in INPUTS  # the models' own table (pipeline/serving_contract.py)
     tensor, = infer_inputs({"max_tokens_fit": True})
     assert (tensor.name(), tensor.datatype(), tensor.shape()) == ("max_tokens_fit", "BOOL", [1, 1])
     assert np.frombuffer(tensor._get_content(), dtype=np.bool_).tolist() == [True]  # noqa: SLF001

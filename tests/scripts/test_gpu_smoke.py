@@ -28,3 +28,11 @@ def test_gpu_smoke_script_fails_on_a_version_mismatch(tmp_path):
     assert done.returncode != 0
     assert f"installed TensorRT-LLM is 1.2.1 but this pipeline is pinned to {PINNED_VERSION}" in done.stderr
     assert "== 2." not in done.stdout  # stopped before any build
+
+
+def test_every_test_file_the_script_runs_exists():
+    """The smoke test's step 1 runs named test files: one renamed away would stop it on the GPU box, untested here."""
+    import re
+
+    named = set(re.findall(r"tests/[\w/]+\.py", (REPO / "scripts" / "gpu_smoke.sh").read_text()))
+    assert named and all((REPO / path).is_file() for path in named), sorted(named)

@@ -6,8 +6,9 @@ client can load code or reach the admin APIs whatever it read of any process's a
 server's environment, the shared memory is private, cross-site and keyless requests are refused, oversized bodies
 are refused before Triton, a dead model process fails the requests in flight within seconds and serve restarts the
 server (then, past the restart budget, exits non-zero at once), a port held by another server is never taken for
-ours, and a second signal never leaves tritonserver behind. For trtllm configs `deploy` writes the repository and
-`serve` says how to launch it.
+ours, and a second signal never leaves tritonserver behind. The port flags (--http-port, --grpc-port,
+--metrics-port, --openai-port) override the config's serve ports, stay distinct, and errors name the flag. For
+trtllm configs `deploy` writes the repository and `serve` says how to launch it.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import pytest
 import yaml
 
 from pipeline.triton import procfs
-from tests.conftest import PY, REPO, run_cli, write_config
+from tests.conftest import PY, REPO, one_error_line, run_cli, write_config
 from tests.triton_helpers import Serve, _children, free_port, process_tree_rss, trtllm_config_dict
 
 
@@ -418,6 +419,86 @@ def test_sigterm_ends_running_openai_streams_in_band(built_engines, tmp_path):
     assert "error" in last or last["choices"][0]["finish_reason"] in ("length", "stop"), last
 
 
+def _serve_args(*argv: str):
+    from pipeline.cli import build_parser
+
+    return build_parser().parse_args(["serve", "c.yaml", *argv])
+
+
+def test_port_flags_override_the_config_serve_ports_and_nothing_else():
+    from pipeline.config import parse_config
+    from pipeline.triton.cli import with_port_flags
+
+    config = parse_config({"name": "p", "target": {"model": "a/b"}, "draft": {"model": "a/c"},
+                           "serve": {"http_port": 9100, "grpc_port": 9101, "metrics_port": 9102, "openai_port": 9103,
+                                     "max_connections": 7}}, base_dir=Path("/somewhere"))
+    served = with_port_flags(config, _serve_args("--http-port", "9200", "--grpc-port", "9201", "--metrics-port",
+                                                 "9202", "--openai", "--openai-port", "9203"))
+    s = served.serve
+    assert (s.http_port, s.grpc_port, s.metrics_port, s.openai_port) == (9200, 9201, 9202, 9203)
+    assert s.max_connections == 7 and served.base_dir == config.base_dir and served.target == config.target
+    assert config.serve.http_port == 9100  # the loaded config is not changed
+    one = with_port_flags(config, _serve_args("--metrics-port", "9300")).serve
+    assert (one.http_port, one.grpc_port, one.metrics_port, one.openai_port) == (9100, 9101, 9300, 9103)
+    assert with_port_flags(config, _serve_args()) is config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (("--http-port", "9101"), "--http-port: 9101 is also serve.grpc_port; "),
+    (("--grpc-port", "9300", "--metrics-port", "9300"), "--grpc-port: 9300 is also --metrics-port; "),
+    (("--metrics-port", "9103"), "--metrics-port: 9103 is also serve.openai_port; "),
+    (("--openai", "--openai-port", "9100"), "--openai-port: 9100 is also serve.http_port; "),
+])
+def test_port_flags_must_differ_from_the_other_ports_and_errors_name_the_flag(argv, message):
+    from pipeline.config import parse_config
+    from pipeline.errors import PipelineError
+    from pipeline.triton.cli import with_port_flags
+
+    config = parse_config({"name": "p", "target": {"model": "a/b"}, "draft": {"model": "a/c"},
+                           "serve": {"http_port": 9100, "grpc_port": 9101, "metrics_port": 9102, "openai_port": 9103}})
+    with pytest.raises(PipelineError) as err:
+        with_port_flags(config, _serve_args(*argv))
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_a_port_in_use_is_named_by_the_flag_that_chose_it():
+    from pipeline.triton.cli import _name_port_flags
+
+    message = ("serve.http_port: 9000 on 127.0.0.1 is in use (Address already in use); stop it or choose free ports "
+               "in the config's serve section")
+    assert _name_port_flags(message, _serve_args("--http-port", "9000")).startswith("--http-port: 9000 on ")
+    assert _name_port_flags(message, _serve_args("--grpc-port", "9001")) == message  # http came from the config
+
+
+def test_port_flags_on_the_command_line(tmp_path):
+    """Without a server: a port out of range is argparse's usage error naming the flag, a clash is one error line
+    naming the flag (before any engine is looked at), and the trtllm backend refuses the flags."""
+    bad = run_cli("serve", "configs/tiny.yaml", "--grpc-port", "70000")
+    assert bad.returncode == 2 and "argument --grpc-port: 70000 is not a port number" in bad.stderr, bad.stderr
+    data = yaml.safe_load(Path(REPO / "configs/tiny.yaml").read_text())
+    data["serve"] = {"http_port": 9100, "grpc_port": 9101, "metrics_port": 9102, "openai_port": 9103}
+    config = write_config(tmp_path, data)
+    line = one_error_line(run_cli("serve", str(config), "--engines-dir", str(tmp_path / "none"), "--http-port",
+                                  "9102"))
+    assert line.startswith("error: --http-port: 9102 is also serve.metrics_port"), line
+    trtllm = write_config(tmp_path, trtllm_config_dict("ports"))
+    line = one_error_line(run_cli("serve", str(trtllm), "--engines-dir", str(tmp_path / "e"), "--http-port", "9000"))
+    assert line.startswith("error: --http-port: not for the trtllm backend"), line
+
+
+@pytest.mark.server
+def test_a_taken_port_given_by_flag_is_refused_naming_the_flag(built_engines, tmp_path):
+    config_path, engines = built_engines
+    config = _config(config_path, tmp_path)
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        taken = holder.getsockname()[1]
+        holder.listen()
+        result = run_cli("serve", str(config), "--engines-dir", str(engines), "--http-port", str(taken))
+    line = one_error_line(result)
+    assert line.startswith(f"error: --http-port: {taken} on 127.0.0.1 is in use"), line
+
+
 def test_trtllm_deploy_says_how_ngram_is_served(tmp_path, capsys):
     import yaml
 
@@ -454,12 +535,13 @@ def test_serve_prints_endpoints_answers_and_stops_on_sigterm(built_engines, tmp_
     config_path, engines = built_engines
     data = yaml.safe_load(config_path.read_text())
     ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
-    data["serve"] = {"bind_address": "127.0.0.1", **ports}
+    data["serve"] = {"bind_address": "127.0.0.1"}  # the ports come from the flags, overriding 8000-8002
     config = tmp_path / config_path.name
     config.write_text(yaml.safe_dump(data))
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen([PY, "-m", "pipeline", "serve", str(config), "--engines-dir", str(engines),
-                                "--ready-timeout", "400"],
+                                "--ready-timeout", "400", "--http-port", str(ports["http_port"]),
+                                "--grpc-port", str(ports["grpc_port"]), "--metrics-port", str(ports["metrics_port"])],
                                cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()

@@ -19,7 +19,7 @@ from hypothesis.extra import numpy as hnp
 from pipeline.chat import ROLES
 from pipeline.executor import RequestError
 from pipeline.triton.request_inputs import FALLBACK_MAX_INPUT_LEN, GenerateArgs, MAX_BYTES_PER_TOKEN, parse_request
-from pipeline.triton.torch_repo import INPUTS
+from pipeline.serving_contract import INPUTS
 
 NAMES = [name for name, _, _ in INPUTS]  # text_input, input_ids, messages, max_tokens, temperature, top_k, ...
 PROMPTS = ["text_input", "input_ids", "messages"]

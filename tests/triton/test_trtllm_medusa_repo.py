@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 from google.protobuf import json_format
 
-from pipeline.config import parse_config
+from pipeline.config import load_config, parse_config
 from pipeline.speculative.tree import TokenTree
 from pipeline.triton import trtllm_repo
 from pipeline.triton.repository import deploy
+from tests.conftest import REPO
 from tests.recorded_source import TRITON_LLM_MODEL, load_functions
 from tests.triton.test_trtllm_repo import params, read_repo, template, tensor_key
 
@@ -43,6 +44,13 @@ def medusa_repo(tmp_path_factory):
     config = parse_config(medusa_dict())
     result = deploy(config, tmp_path_factory.mktemp("medusa") / "engines")
     return result.path, config
+
+
+@pytest.fixture(scope="module")
+def shipped_repo(tmp_path_factory):
+    """The shipped configs/vicuna-7b-medusa.yaml (FasterDecoding's public heads on Vicuna 7B), deployed."""
+    config = load_config(REPO / "configs" / "vicuna-7b-medusa.yaml")
+    return deploy(config, tmp_path_factory.mktemp("vicuna") / "engines").path, config
 
 
 # ---- upstream's tensorrt_llm/1/model.py reads our parameters ----------------------------------------------------
@@ -156,3 +164,16 @@ def test_launch_script_and_readme_say_medusa(medusa_repo, tmp_path):
     assert "Medusa" in readme.splitlines()[0] and "Greedy only" in readme
     assert "5 nodes, depth" in readme and "/v2/models/ensemble/generate" in readme
     assert "tensorrt_llm_bls" not in readme and "tensorrt_llm_draft" not in readme and "num_draft_tokens" not in readme
+
+
+def test_the_shipped_medusa_config_deploys_the_default_tree_on_one_engine(shipped_repo):
+    repo, config = shipped_repo
+    configs = read_repo(repo)
+    assert set(configs) == {"preprocessing", "postprocessing", "tensorrt_llm", "ensemble"}
+    decoding = recorded_decoding_config(configs["tensorrt_llm"])
+    assert decoding["decoding_mode"] == "DecodingMode.Medusa"
+    assert TokenTree.from_choices(decoding["medusa_choices"]).paths == config.speculative.medusa.tree().paths
+    assert len(decoding["medusa_choices"]) == 63  # mc_sim_7b_63, TensorRT-LLM's own default tree
+    unset = trtllm_repo.tensorrt_llm_unset(config)
+    upstream, _ = template("tensorrt_llm")
+    assert set(upstream.parameters) == set(params(configs["tensorrt_llm"])) | set(unset)

@@ -32,7 +32,9 @@ from tests.triton_helpers import trtllm_config_dict
 TEMPLATES = REPO / "tests" / "data" / f"trtllm_{PINNED_VERSION}_triton"
 MODELS = {"tensorrt_llm": "tensorrt_llm", "tensorrt_llm_draft": "tensorrt_llm", "tensorrt_llm_bls": "tensorrt_llm_bls",
           "preprocessing": "preprocessing", "postprocessing": "postprocessing", "ensemble": "ensemble"}
-SHIPPED = sorted(p for p in (REPO / "configs").glob("*.yaml") if yaml.safe_load(p.read_text())["backend"] == "trtllm")
+# The shipped target + draft pairs (the Medusa config's one-engine layout: tests/triton/test_trtllm_medusa_repo.py)
+SHIPPED = sorted(p for p in (REPO / "configs").glob("*.yaml") if yaml.safe_load(p.read_text())["backend"] == "trtllm"
+                 and "draft" in yaml.safe_load(p.read_text()))
 HEADER = re.compile(r"# recorded-from: repository=NVIDIA/TensorRT-LLM "
                     r"path=triton_backend/all_models/inflight_batcher_llm/(\w+)/config.pbtxt commit=[0-9a-f]{40}\n")
 

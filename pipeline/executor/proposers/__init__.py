@@ -2,7 +2,7 @@
 
 A new proposer is a module with a :class:`~.base.Proposer` subclass plus one entry in ``REGISTRY`` (a factory that
 takes the engine's ProposerContext and the proposers built before it, and returns None where it cannot run, e.g.
-the draft model without a draft runner).
+the draft model without a draft runner). Which proposer drafts a step is :func:`~.dispatch.choose_drafter`'s call.
 """
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from collections.abc import Callable
 
 from ...methods import Method
 from .base import Proposer, ProposerContext
+from .dispatch import choose_drafter
 from .draft_model import DraftModelProposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
-from .ngram_or_draft import CostRatio, NgramOrDraftProposer, prefer_lookup
+from .ngram_or_draft import CostRatio, NgramOrDraftProposer
 
 
 def _draft_model(context: ProposerContext, built: dict) -> Proposer | None:
@@ -26,9 +27,7 @@ def _ngram(context: ProposerContext, built: dict) -> Proposer | None:
 
 
 def _ngram_or_draft(context: ProposerContext, built: dict) -> Proposer | None:
-    if Method.DRAFT_MODEL not in built:
-        return None
-    return NgramOrDraftProposer(built[Method.NGRAM], built[Method.DRAFT_MODEL], context.cost_ratio)
+    return NgramOrDraftProposer() if Method.DRAFT_MODEL in built else None
 
 
 def _medusa(context: ProposerContext, built: dict) -> Proposer | None:
@@ -53,4 +52,4 @@ def build_proposers(context: ProposerContext) -> dict[Method, Proposer]:
     return built
 
 
-__all__ = ["CostRatio", "Proposer", "ProposerContext", "REGISTRY", "build_proposers", "prefer_lookup"]
+__all__ = ["CostRatio", "Proposer", "ProposerContext", "REGISTRY", "build_proposers", "choose_drafter"]

@@ -1,11 +1,12 @@
 """The proposer interface: who drafts a row's tokens in one engine step.
 
-The engine asks each row's proposer (the one its request's method names) three things, in order:
-  limit   the most tokens it could propose for the row at the row's own K (the K policy prices the verify with it);
-  route   which proposer drafts the row this step: itself, another (a chooser such as ngram+draft), or None for a
-          plain step;
-  propose draft for all the rows routed to it at once (one batched forward for a model), writing each row's tokens
+The engine asks proposers two things per step:
+  limit   the most tokens one could propose for a row at the row's K (the K policy prices the verify with it; the
+          proposer of the row's method is asked, and the chosen one drafts only a row it can propose for: limit > 0);
+  propose draft for all the rows handed to it at once (one batched forward for a model), writing each row's tokens
           and, for sampled rows, their distributions into the StepBatch.
+Which proposer drafts a row is decided in one place for both executors, dispatch.choose_drafter (a chooser such as
+ngram+draft hands the row to the lookup or the draft model).
 The verifier never learns who drafted: it sees draft tokens and distributions, or a tree of candidates (Medusa).
 A proposer that keeps state per request hears of the request's end through ``release``.
 """
@@ -25,14 +26,13 @@ from ..step_batch import StepBatch
 @dataclass
 class ProposerContext:
     """What a proposer may use: the engine's draft runner (None without a draft model), ids both models have,
-    where tensors live, the lookup settings, the measured cost of a draft position relative to a verify, and a
-    callback that records a draft forward's (rows, seconds) for the K policy."""
+    where tensors live, the lookup settings, and a callback that records a draft forward's (rows, seconds) for the
+    K policy."""
 
     draft_runner: object | None
     vocab_size: int
     device: torch.device
     ngram: NgramSettings
-    cost_ratio: Callable[[], float]
     record_draft: Callable[[int, float], None]
     medusa: tuple | None = None  # (MedusaHeads, TokenTree) when the engine serves method medusa
 
@@ -45,12 +45,8 @@ class Proposer(ABC):
     verify_width = None  # a tree proposer: callable K -> tokens its verify takes at K (None: K + 1, a chain)
 
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
-        """The most tokens this proposer would draft for ``row`` with a budget of ``k``."""
+        """The most tokens this proposer would draft for ``row`` with a budget of ``k`` (0: none this step)."""
         return k
-
-    def route(self, batch: StepBatch, row: int) -> Proposer | None:
-        """Who drafts ``row`` this step (its budget is batch.k[row] > 0)."""
-        return self
 
     @abstractmethod
     def propose(self, batch: StepBatch, rows: list[int]) -> None:

@@ -41,9 +41,6 @@ class MedusaProposer(Proposer):
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
         return min(k, self.tree.max_depth) if batch.requests[row].id in self._hidden else 0
 
-    def route(self, batch: StepBatch, row: int) -> Proposer | None:
-        return self if batch.requests[row].id in self._hidden else None
-
     @torch.inference_mode()
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
         hidden = torch.stack([self._hidden[batch.requests[row].id] for row in rows])  # [R, d]

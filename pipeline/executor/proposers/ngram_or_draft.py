@@ -3,10 +3,10 @@
 The comparison is expected emitted tokens per unit of cost: a lookup costs no model forward (only the verify), the
 draft model costs K draft forwards of c verify-forwards each. Each proposer's acceptance is the request's own
 (an AcceptanceEstimate per proposer, see pipeline.executor.acceptance), so a request whose output copies its
-prompt drifts to lookups and one that does not drifts to the draft model. Both executors choose with
-:func:`prefer_lookup`. A seeded sampling request prices the draft at UNMEASURED_COST_RATIO, not at the measured c:
-which proposer drafts changes its random draws, and its tokens must not depend on how fast the machine or the
-batch it shares ran.
+prompt drifts to lookups and one that does not drifts to the draft model. Both executors choose through
+proposers/dispatch.py, which prices the two with :func:`prefer_lookup`. A seeded sampling request prices the draft
+at UNMEASURED_COST_RATIO, not at the measured c: which proposer drafts changes its random draws, and its tokens must
+not depend on how fast the machine or the batch it shares ran.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from ...speculative.analytic import expected_tokens_per_step
 from ..request import SpecRequest
 from ..step_batch import StepBatch
 from .base import Proposer
-from .draft_model import DraftModelProposer
-from .ngram import NgramProposer
 
 
 UNMEASURED_COST_RATIO = 0.25  # c before both phases ran, and for seeded sampling requests
@@ -52,18 +50,10 @@ def prefer_lookup(request: SpecRequest, lookup_len: int, k: int, cost_ratio: flo
 
 
 class NgramOrDraftProposer(Proposer):
+    """What the K policy knows of an ngram+draft row before the choice; the drafting itself is the chosen one's."""
+
     method = Method.NGRAM_DRAFT
     uses_model = True  # the draft's cost bounds what the row's step can cost
 
-    def __init__(self, ngram: NgramProposer, draft: DraftModelProposer, cost_ratio):
-        self.ngram, self.draft, self.cost_ratio = ngram, draft, cost_ratio
-
-    def route(self, batch: StepBatch, row: int) -> Proposer | None:
-        k = batch.k[row]
-        lookup = self.ngram.lookup(batch, row, k)
-        if lookup and prefer_lookup(batch.requests[row], len(lookup), k, self.cost_ratio()):
-            return self.ngram
-        return self.draft
-
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
-        raise AssertionError("ngram+draft routes every row to the lookup or the draft model")
+        raise AssertionError("ngram+draft hands every row to the lookup or the draft model (dispatch.choose_drafter)")

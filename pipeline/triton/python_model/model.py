@@ -92,20 +92,20 @@ class TritonPythonModel:
         self.position_metrics = {}
         if params["pipeline_root"] not in sys.path:
             sys.path.insert(0, params["pipeline_root"])
-        from pipeline.executor import RequestError, SpeculativeExecutor
+        from pipeline.executor import RequestError, open_executor
         from pipeline.methods import NgramSettings
         from pipeline.executor.serving_loop import ServingLoop
         from pipeline.triton.request_inputs import parse_request
 
         self.RequestError = RequestError
         self.parse_request = parse_request
-        self.executor = SpeculativeExecutor.from_engines(
+        self.executor = open_executor(
             params["engines_dir"], device=params.get("device") or None,
             adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
             method=params.get("method") or None,
             ngram=NgramSettings(int(params["ngram_min_match"]), int(params["ngram_max_match"]))
             if "ngram_min_match" in params else None)
-        self.draft_len_limit = self.executor.draft_len_limit or self.executor.max_draft_len
+        self.engine_draft_len = self.executor.engine_draft_len or self.executor.max_draft_len
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
         self.queue_depth = self._gauge("spec_queue_depth", "Requests waiting for a batch slot")
@@ -160,7 +160,8 @@ class TritonPythonModel:
             sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         try:
-            args = self.parse_request(lambda name: _input(request, name), self.draft_len_limit, self.executor.max_input_len)
+            args = self.parse_request(lambda name: _input(request, name), self.engine_draft_len,
+                                      self.executor.max_input_len)
             prompt, turn_end = args.executor_prompt(self.executor.tokenizer, self.model_source)
             spec_request = self.executor.new_request(prompt, stop_token_ids=turn_end, **args.executor_kwargs())
         except Exception as exc:  # noqa: BLE001 - reported to this client; the model keeps serving others
