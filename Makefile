@@ -22,6 +22,7 @@ help: ## list the targets and the variables they read
 	@echo "variables:"
 	@echo "  CONFIG          the pipeline YAML a target works on (default: $(CONFIG))"
 	@echo "  ARGS            extra options passed to the command, e.g. ARGS='--force' or ARGS='-m \"not slow\"' for test"
+	@echo "  TEST_WORKERS    parallel test processes for test (default: $(TEST_WORKERS); 0 runs them in one process)"
 	@echo "  PYTHON          the interpreter that creates .venv (default: $(PYTHON)); commands then run .venv/bin/python"
 
 # The venv is rebuilt when pyproject.toml or constraints.txt changes; torch is pinned so pip takes the local CPU
@@ -128,8 +129,11 @@ train-draft: $(VENV)/.installed $(PAIR_DEP) ## distil a draft (or, with ARGS="--
 bench-serve: $(VENV)/.installed $(PAIR_DEP) ## serving throughput and latency at 1-32 concurrent clients
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pipeline bench-serve $(CONFIG) $(ARGS)
 
+# Tests run one torch thread each (tests/conftest.py), so TEST_WORKERS processes share the cores; a file's tests
+# stay on one worker (--dist loadfile) so its module-scoped servers start once. TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= 2
 test: $(VENV)/.installed ## the whole test suite (ARGS='-m "not slow and not server"': the quick loop)
-	$(PY) -m pytest -q tests $(ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests $(ARGS)
 
 clean-engines: ## delete every build output under engines/
 	rm -rf engines/*/

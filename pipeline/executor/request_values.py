@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import short_repr
-from ..speculative import SamplingParams
+from ..speculative.sampling_params import SamplingParams
 from .results import RequestError
 
 MAX_NEW_TOKENS = 2**31 - 1  # what an INT32 tensor (Triton's max_tokens) can carry

@@ -1,7 +1,18 @@
-"""The speculative step as pure tensor code: accept rules and the sampling transforms both models share."""
+"""The speculative step as pure tensor code: accept rules and the sampling transforms both models share.
 
-from .accept import accept_greedy, accept_matching, accept_rejection
-from .sampling import SamplingParams, logits_to_probs, sample, sample_inverse_cdf
+The names load on first use: the config imports this package's tree paths, and a CLI that refuses a bad flag or
+config should not pay torch's import first.
+"""
 
-__all__ = ["accept_greedy", "accept_matching", "accept_rejection", "SamplingParams", "logits_to_probs", "sample",
-           "sample_inverse_cdf"]
+import importlib
+
+_HOME = {"accept_greedy": "accept", "accept_matching": "accept", "accept_rejection": "accept",
+         "SamplingParams": "sampling_params", "logits_to_probs": "sampling", "sample": "sampling",
+         "sample_inverse_cdf": "sampling"}
+__all__ = list(_HOME)
+
+
+def __getattr__(name: str):
+    if name not in _HOME:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)

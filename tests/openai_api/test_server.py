@@ -279,7 +279,8 @@ def test_the_guard_stands_in_front_of_the_app(fake_triton):
 
 def test_a_request_without_max_tokens_asks_triton_to_fit_it(fake_triton):
     fake, url = fake_triton
-    server = started(url)
+    server, step_s = started(url), fake.step_s
+    fake.step_s = 0.0  # the fake generates every token it is asked for: 256 of them
     try:
         client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
         client.chat.completions.create(model="tiny-chat", messages=[{"role": "user", "content": "Hi"}])
@@ -288,6 +289,7 @@ def test_a_request_without_max_tokens_asks_triton_to_fit_it(fake_triton):
                                        max_completion_tokens=3)
         assert "max_tokens_fit" not in fake.requests[-1] and fake.requests[-1]["max_tokens"] == [3]
     finally:
+        fake.step_s = step_s
         server.stop()
 
 
