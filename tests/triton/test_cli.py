@@ -321,6 +321,8 @@ def test_dead_model_process_fails_requests_in_flight_then_serve_restarts_then_gi
     serve, config, _ = serving
     ports = _ports(config)
     triton = serve.triton_pid
+    # the crash test above restarted it once already
+    restarting, restarts = serve.text().count("restarting tritonserver"), serve.text().count("tritonserver restarted")
     running = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(_generate, ports["http_port"], max_tokens=400, timeout=120),
@@ -334,13 +336,13 @@ def test_dead_model_process_fails_requests_in_flight_then_serve_restarts_then_gi
     assert ended_after < 15, (ended_after, outcomes)  # they hung forever (> 120 s) before
     assert outcomes[0][0] >= 500 and outcomes[1][0] >= 500, outcomes
     assert outcomes[2] != "finished", outcomes
-    assert serve.wait_for(lambda line: "speculative_stream" in line and "restarting tritonserver" in line, 60), \
-        serve.text()
-    restarts = serve.text().count("tritonserver restarted")  # the crash test above restarted it once already
+    # serve restarts it on the stub's death; under load Triton 2.51 sometimes aborts (signal 6) on it first, and
+    # serve then restarts it for that: either way, one restart.
     deadline = time.monotonic() + 240
     while serve.text().count("tritonserver restarted") == restarts and time.monotonic() < deadline:
         assert serve.process.poll() is None, serve.text()
         time.sleep(0.5)
+    assert serve.text().count("restarting tritonserver") == restarting + 1, serve.text()
     status, answer = _generate(ports["http_port"])
     assert status == 200 and len(answer["output_ids"]) == 4, (answer, serve.text())
     triton = serve.triton_pid
