@@ -6,6 +6,7 @@ import ipaddress
 from dataclasses import dataclass, field
 
 from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
+from .decoder_support import LEAN, runner_for
 from .dtypes import DtypeChoice, checkpoint_dtype, resolve_dtype, torch_device
 from .errors import CompatibilityError, short_repr
 from .models import (ResolvedModel, compare_tokenizers, load_tokenizer, max_positions, read_hf_config, resolve_model,
@@ -159,6 +160,8 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
         _check_tokenizers(models, hf_configs, config.backend, report)
     _check_limits(config, hf_configs, report)
     _check_backend_settings(config, hf_configs["target"], report)
+    if config.backend == "torch":
+        _say_runners(config, hf_configs, report)
     if problem := bind_address_problem(config.serve.bind_address):
         report.errors.append(problem)
     report.warnings.extend(serve_exposure_warnings(config))
@@ -256,6 +259,19 @@ def _check_backend_settings(config: PipelineConfig, target_cfg: dict, report: Ch
         report.warnings.append(f"build.kv_cache.{', '.join(trtllm_only)}: set, but only backend trtllm uses it "
                                f"(the torch backend's paged cache reads tokens_per_block, enable_block_reuse and "
                                f"max_tokens)")
+
+
+def _say_runners(config: PipelineConfig, hf_configs: dict[str, dict], report: CheckReport) -> None:
+    """Which model runner each role's engine will use (pipeline/decoder_support.py)."""
+    max_seq_len = (report.build or config.build).max_seq_len or 0
+    for role in config.roles:
+        runner, reason = runner_for(hf_configs[role], max_seq_len, config.build.quantization.of(role))
+        report.ok.append(f"{role}: runs on the lean Llama-family decoder" if runner == LEAN else
+                         f"{role}: runs through the Hugging Face modules ({reason})")
+        if reason and "sliding" in reason:
+            report.warnings.append(f"{role}.model: {reason}, but the paged attention attends over the whole "
+                                   f"sequence: past the window the output differs from the model's; set "
+                                   f"build.max_seq_len to the window or less")
 
 
 def serve_exposure_warnings(config: PipelineConfig) -> list[str]:

@@ -44,6 +44,8 @@ class EngineInfo:
     quantization: str | None = None
     architecture: str | None = None
     vocab_size: int | None = None
+    # torch: the model runner the engine loads on, "lean" or "hf-modules" (pipeline/decoder_support.py).
+    runner: str | None = None
     # Backend-specific facts (trtllm: tp, pp, trtllm_version, gather_generation_logits, KV-cache settings,
     # device ids, tokenizer_len), kept as written.
     extra: dict = field(default_factory=dict)

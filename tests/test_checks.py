@@ -54,6 +54,8 @@ def test_check_accepts_the_tiny_pair(tiny_config):
     report = check_pair(load_config(tiny_config))
     assert not report.errors
     assert "tokenizers identical" in report.ok
+    assert "target: runs on the lean Llama-family decoder" in report.ok
+    assert "draft: runs on the lean Llama-family decoder" in report.ok
 
 
 @pytest.fixture
@@ -104,6 +106,8 @@ def test_check_says_what_int8_weights_cost_in_exactness(tiny_pair, tmp_path):
     target_line = next(line for line in report.ok if line.startswith("target weights int8"))
     assert "quantized target's own target-only output, not the unquantized model's" in target_line
     assert any(line.startswith("draft weights int8") and "acceptance rate" in line for line in report.ok)
+    assert "target: runs through the Hugging Face modules (int8_weight_only weights run through their own " \
+           "modules)" in report.ok
     assert not report.warnings and not report.errors
     data["target"]["dtype"] = "float32"
     warned = check_pair(load_config(write_config(tmp_path, data))).warnings
@@ -244,3 +248,25 @@ def test_check_says_when_the_default_medusa_tree_is_cut_to_the_heads(tiny_pair, 
     assert not report.errors, report.errors
     line = next(line for line in report.ok if "speculative.method: medusa" in line)
     assert "mc_sim_7b_63 cut to the 3 heads" in line and "61 nodes, depth 3" in line, line
+
+
+def test_check_warns_when_a_sliding_window_is_shorter_than_max_seq_len(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    folder = tmp_path / "mistral"
+    MistralForCausalLM(MistralConfig(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                                     sliding_window=128)).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tiny_pair / "target").save_pretrained(folder)
+
+    def warnings(max_seq_len: int) -> list[str]:
+        data = tiny_config_dict(tiny_pair, target={"model": str(folder)}, speculative={"method": "ngram"},
+                                build={"max_input_len": 64, "max_seq_len": max_seq_len})
+        del data["draft"]
+        report = check_pair(load_config(write_config(tmp_path, data)))
+        assert not report.errors, report.errors
+        return report.warnings
+
+    assert any(w.startswith("target.model: a 128-token sliding window, shorter than the 256 positions") and
+               "set build.max_seq_len to the window or less" in w for w in warnings(256))
+    assert warnings(128) == []

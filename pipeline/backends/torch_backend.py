@@ -11,6 +11,7 @@ import shutil
 from pathlib import Path
 
 from ..config import PipelineConfig
+from ..decoder_support import runner_for
 from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
 from ..medusa_heads import CONFIG_FILE, ENGINE_SUBDIR, HEADS_FILE
 from ..models import ResolvedModel, load_causal_lm, load_tokenizer
@@ -60,6 +61,7 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
     limits = engine_limits(config, role)
     limits["architecture"] = type(lm).__name__
     limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]
+    limits["runner"] = runner_for(lm.config.to_dict(), limits["max_seq_len"], limits["quantization"])[0]
     if limits["quantization"] != "none":  # lm is saved: it can be quantized in place for the measurement
         limits["quantization_error"] = quantization_error(checkpoint, lm, limits["quantization"],
                                                           load_tokenizer(checkpoint))

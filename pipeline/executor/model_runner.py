@@ -2,8 +2,9 @@
 
 Each row names a sequence and the tokens it appends (a verify's few, a prompt chunk's many, or none). The runner
 packs them into one ``[1, T]`` input with per-token position ids and runs the model with the paged attention
-implementation (paged_attention.py), so rows of any lengths share the forward without padding each other; any
-Hugging Face causal LM whose attention layers go through transformers' attention interface runs this way.
+implementation (paged_attention.py), so rows of any lengths share the forward without padding each other. A
+Llama-family model runs on the lean decoder (llama_decoder.py); any other Hugging Face causal LM whose attention
+layers go through transformers' attention interface runs through its own modules. ``runner`` says which.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import inspect
 import torch
 from torch import Tensor
 
-from . import paged_attention
+from ..decoder_support import LEAN, MODULES
+from . import llama_decoder, paged_attention
 from .paged_kv_cache import PagedKVCache
 
 
@@ -27,9 +29,10 @@ def use_paged_attention(model) -> None:
 
 class BatchModelRunner:
     def __init__(self, model, device: str | torch.device, max_tokens: int, block_size: int, max_blocks: int,
-                 reuse: bool = True, compile: bool = False):
+                 reuse: bool = True, compile: bool = False, lean: bool = True):
         """``max_tokens``: positions one sequence may hold; ``max_blocks`` blocks of ``block_size`` tokens: the
-        KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests."""
+        KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests; ``lean``: run a
+        Llama-family model on the lean decoder (False: always through the Hugging Face modules)."""
         self.model = model
         self.device = torch.device(device)
         use_paged_attention(model)
@@ -41,7 +44,12 @@ class BatchModelRunner:
         self.cache = PagedKVCache(block_size, max_blocks, max_tokens, reuse)
         # A prepared 4D mask makes transformers skip its own mask building; the plan carries the real masks.
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
-        self._forward = torch.compile(self._call, dynamic=True) if compile else self._call
+        self.why_modules = llama_decoder.unsupported(model, max_tokens) if lean else "the lean decoder is off"
+        self._decoder = llama_decoder.LlamaDecoder(model, max_tokens) if self.why_modules is None else None
+        self.runner = LEAN if self._decoder is not None else MODULES
+        self._plan = None
+        call = self._call if self._decoder is None else self._call_lean
+        self._forward = torch.compile(call, dynamic=True) if compile else call
 
     def length(self, seq) -> int:
         return self.cache.length(seq)
@@ -57,6 +65,10 @@ class BatchModelRunner:
         logits = out.logits[0] if self._trim_logits else out.logits[0, keep]  # [kept, V]
         # hidden_states[-1] is the final hidden state after the last norm, the one the LM head (and Medusa heads) read.
         return (logits, out.hidden_states[-1][0, keep]) if hidden else logits
+
+    def _call_lean(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor,
+                   hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        return self._decoder(input_ids[0], position_ids[0], self.cache, self._plan, keep, hidden)
 
     @torch.inference_mode()
     def forward(self, seqs: list, rows: list[list[int]], logits_for: list[int] | None = None,
@@ -81,6 +93,7 @@ class BatchModelRunner:
         # Packed index of every position whose logits come back, and where each lands in the [rows, width] layout.
         keep = [end - want + i for end, want in zip(ends, logits_for) for i in range(want)]
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+        self._plan = plan  # the lean decoder's; the Hugging Face modules find it through paged_attention.active
         with paged_attention.active(plan):
             out = self._forward(input_ids, position_ids, keep_t, hidden)
         for seq, count in zip(seqs, counts):

@@ -69,6 +69,13 @@ def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
                                       **kwargs)
     if kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         raise NotImplementedError("paged attention: logit soft-capping and attention sinks are not supported")
+    return attend(plan, query, key, value, scaling), None
+
+
+def attend(plan: ForwardPlan, query: Tensor, key: Tensor, value: Tensor, scaling: float | None) -> Tensor:
+    """Attention of the packed forward ``plan`` lays out. query [1, heads, T, d]; key/value: one layer's block
+    pools [blocks, block_size, kv_heads, d], this forward's keys and values already written. Returns
+    [1, T, heads, d]."""
     heads, dim = query.shape[1], query.shape[3]
     kv_heads, block_size = key.shape[2], key.shape[1]
     out = None if plan.groups[0].dense else query.new_empty(plan.tokens, heads, dim)
@@ -89,9 +96,9 @@ def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention
         result = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling,
                                                 enable_gqa=kv_heads != heads)  # [n, heads, W, d]
         if group.dense:
-            return result.transpose(1, 2).reshape(1, n * width, heads, dim), None
+            return result.transpose(1, 2).reshape(1, n * width, heads, dim)
         out[group.tokens] = result.transpose(1, 2).reshape(n * width, heads, dim)[group.slots]
-    return out[None], None
+    return out[None]
 
 
 def register() -> str:

@@ -1,0 +1,151 @@
+"""A lean decoder for the Llama family, run on the paged KV cache without the Hugging Face modules.
+
+Llama 2/3 (any static RoPE scaling), Mistral without a sliding window in reach, Qwen2 (QKV bias) and SmolLM share
+one layer: RMSNorm, attention with rotary positions and grouped KV heads, RMSNorm, a SiLU-gated MLP. Run through the
+Hugging Face modules a decode step of such a model spends as long in small ops and module calls as in its matrix
+products; here a layer is four matrix products (fused QKV, output, fused gate/up, down), the norms, a RoPE lookup in
+precomputed tables, and paged attention. The weights are the loaded model's: the fused matrices are new tensors and
+the model's own projections become views into them, so nothing is held twice and the model still serves
+``generate``.
+
+``unsupported(model)`` says why a model must stay on the Hugging Face path (None when it may run here; the rules on
+config.json alone are pipeline/decoder_support.py's, which `check` and the build use); the engine checks it and
+falls back, and the tests compare both paths' logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..decoder_support import unsupported_config
+from .paged_attention import ForwardPlan, attend
+
+def unsupported(model, max_positions: int) -> str | None:
+    """Why the loaded ``model`` cannot run on the lean decoder (a sentence), or None."""
+    reason = unsupported_config(model.config.to_dict(), max_positions)
+    if reason is not None:
+        return reason
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(linear) is not nn.Linear:
+                return f"{type(linear).__name__} projections (quantized weights run through their own modules)"
+    if type(model.lm_head) is not nn.Linear:
+        return f"a {type(model.lm_head).__name__} LM head"
+    hooked = next((name for name, module in model.named_modules() if _user_hooks(module)), None)
+    if hooked is not None:  # the lean decoder calls no module, so a hook (instrumentation, offloading) would not run
+        return f"forward hooks on {hooked or 'the model'}"
+    return None
+
+
+def _user_hooks(module) -> bool:
+    """Forward hooks on ``module`` other than the ones transformers installs to collect hidden states."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return any(not getattr(hook, "__module__", "").startswith("transformers.utils.output_capturing") for hook in hooks)
+
+
+def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    """One [sum(out), in] matrix (and bias) holding ``linears``' weights; each linear's weight (and bias) becomes a
+    view into it, so the memory is not doubled."""
+    weight = torch.cat([linear.weight.detach() for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else weight.new_zeros(linear.out_features) for b, linear in zip(biases, linears)])
+    start = 0
+    for linear in linears:
+        end = start + linear.out_features
+        linear.weight = nn.Parameter(weight[start:end], requires_grad=False)
+        if linear.bias is not None:
+            linear.bias = nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return weight, bias
+
+
+class _Layer:
+    def __init__(self, layer):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        self.o, self.o_bias = attn.o_proj.weight.detach(), attn.o_proj.bias
+        self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
+        self.down, self.down_bias = mlp.down_proj.weight.detach(), mlp.down_proj.bias
+        self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
+        self.norm2, self.eps2 = layer.post_attention_layernorm.weight.detach(), \
+            layer.post_attention_layernorm.variance_epsilon
+        self.scaling = attn.scaling
+        self.q_width = attn.q_proj.out_features
+        self.kv_width = attn.k_proj.out_features
+        self.intermediate = mlp.gate_proj.out_features
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Hugging Face's LlamaRMSNorm to the bit: the statistics in float32, the scale in the model's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, d]; cos/sin [T, 1, d]. RoPE with the halves layout Hugging Face's Llama uses."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LlamaDecoder:
+    """The decoder of a loaded Llama-family causal LM (see the module docstring); call it with one packed forward."""
+
+    def __init__(self, model, max_positions: int):
+        reason = unsupported(model, max_positions)
+        if reason is not None:
+            raise ValueError(f"the lean decoder cannot run this model: {reason}")
+        config, body = model.config, model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = body.layers[0].self_attn.head_dim
+        self.embed = body.embed_tokens.weight.detach()
+        self.layers = [_Layer(layer) for layer in body.layers]
+        self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
+        self.lm_head = model.lm_head.weight.detach()
+        self.lm_head_bias = model.lm_head.bias
+        with torch.inference_mode():
+            positions = torch.arange(max_positions, device=self.embed.device)[None]
+            cos, sin = body.rotary_emb(self.embed[:1], positions)  # [1, P, d] in the model's dtype, as HF makes it
+        self.cos, self.sin = cos[0], sin[0]
+
+    def __call__(self, input_ids: Tensor, positions: Tensor, cache, plan: ForwardPlan, keep: Tensor,
+                 hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """input_ids, positions [T] (packed); ``cache`` a PagedKVCache prepared for this forward (its write slots
+        set), ``plan`` its attention plan; ``keep`` [K] the packed positions whose logits come back. Returns logits
+        [K, V] (and the final normed hidden states [K, d] with ``hidden``)."""
+        x = self.embed[input_ids]  # [T, d]
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
+        for index, layer in enumerate(self.layers):
+            x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, cache, plan)
+            h = F.linear(rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
+            gate, up = h.split(layer.intermediate, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        final = rms_norm(x[keep], self.norm, self.eps)  # the LM head runs only where someone reads the logits
+        logits = F.linear(final, self.lm_head, self.lm_head_bias)
+        return (logits, final) if hidden else logits
+
+    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, cache,
+                   plan: ForwardPlan) -> Tensor:
+        tokens = h.shape[0]
+        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
+        q = _rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
+        k = _rotate(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
+        v = v.view(tokens, self.kv_heads, self.head_dim)
+        out = _paged(index, q, k, v, cache, plan, layer.scaling)  # [1, T, heads, d]
+        return F.linear(out.reshape(tokens, self.heads * self.head_dim), layer.o, layer.o_bias)
+
+
+# The cache write and the attention read Python bookkeeping (the plan's groups, the pools' growth): torch.compile
+# runs them as they are and compiles what lies between them.
+@torch.compiler.disable
+def _paged(index: int, q: Tensor, k: Tensor, v: Tensor, cache, plan: ForwardPlan, scaling: float) -> Tensor:
+    # The cache takes [1, kv_heads, T, d] (the Hugging Face layout) and returns the layer's block pools.
+    keys, values = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], index)
+    return attend(plan, q.transpose(0, 1)[None], keys, values, scaling)

@@ -1,0 +1,140 @@
+"""pipeline/executor/llama_decoder.py and pipeline/decoder_support.py: the lean decoder gives Hugging Face's logits
+and final hidden states for every Llama-family variant it accepts, leaves the model serving ``generate`` unchanged,
+and every model it refuses runs through the Hugging Face modules with the reason said."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, \
+    Qwen2ForCausalLM
+
+from pipeline.decoder_support import LEAN, MODULES, runner_for
+from pipeline.executor.model_runner import BatchModelRunner
+from pipeline.quantize import quantize_model
+
+SIZES = dict(vocab_size=120, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _model(cls, config_cls, dtype=torch.float32, **extra):
+    torch.manual_seed(0)
+    model = cls(config_cls(**SIZES, **extra)).eval()
+    with torch.no_grad():  # HF initialises norms to 1 and biases to 0: make them matter
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.3)
+    return model.to(dtype)
+
+
+VARIANTS = {
+    "llama": lambda: _model(LlamaForCausalLM, LlamaConfig),
+    "llama3-rope-tied": lambda: _model(LlamaForCausalLM, LlamaConfig, tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    "llama-biases": lambda: _model(LlamaForCausalLM, LlamaConfig, attention_bias=True, mlp_bias=True),
+    "qwen2-qkv-bias": lambda: _model(Qwen2ForCausalLM, Qwen2Config),
+    "mistral": lambda: _model(MistralForCausalLM, MistralConfig, sliding_window=None),
+}
+
+
+@torch.no_grad()
+def _hf(model, ids):
+    out = model(torch.tensor([ids]), output_hidden_states=True)
+    return out.logits[0].float(), out.hidden_states[-1][0]
+
+
+def _packed(runner, ids, other):
+    """ids through the runner as a prompt chunk beside another row, then a 5-token verify and one more step:
+    (logits [len(ids), V], final hidden states [len(ids), d])."""
+    runner.open("other", other)
+    runner.open("seq", ids)
+    parts = [runner.forward(["other", "seq"], [other, ids[:-6]], hidden=True),
+             runner.forward(["seq"], [ids[-6:-1]], hidden=True), runner.forward(["seq"], [ids[-1:]], hidden=True)]
+    logits = torch.cat([parts[0][0][1, :len(ids) - 6], parts[1][0][0, :5], parts[2][0][0, :1]])
+    hidden = torch.cat([parts[0][1][1, :len(ids) - 6], parts[1][1][0, :5], parts[2][1][0, :1]])
+    return logits, hidden
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_and_hidden_states_equal_the_hf_modules(variant):
+    model = VARIANTS[variant]()
+    gen = torch.Generator().manual_seed(3)
+    ids, other = (torch.randint(0, 120, (n,), generator=gen).tolist() for n in (41, 13))
+    expected_logits, expected_hidden = _hf(model, ids)
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    assert runner.runner == LEAN, runner.why_modules
+    logits, hidden = _packed(runner, ids, other)
+    assert (logits - expected_logits).abs().max() < 1e-4
+    assert (hidden - expected_hidden).abs().max() < 1e-4
+    # The projections are views into the fused matrices now: the model itself answers as before.
+    after_logits, _ = _hf(model, ids)
+    assert torch.equal(after_logits, expected_logits)
+
+
+def test_bfloat16_stays_within_rounding_of_the_hf_modules():
+    model = VARIANTS["llama"]().to(torch.bfloat16)
+    ids = list(range(3, 40))
+    expected, _ = _hf(model, ids)
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    assert runner.runner == LEAN
+    logits, _ = _packed(runner, ids, [1, 2, 3])
+    assert (logits - expected).abs().max() < 0.1 * expected.abs().max()
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_the_modules_path_when_the_lean_decoder_is_off_gives_the_same_logits():
+    model = VARIANTS["qwen2-qkv-bias"]()
+    ids = list(range(5, 30))
+    lean = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    modules = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=False)
+    assert (lean.runner, modules.runner, modules.why_modules) == (LEAN, MODULES, "the lean decoder is off")
+    a, _ = _packed(lean, ids, [7, 8])
+    b, _ = _packed(modules, ids, [7, 8])
+    assert (a - b).abs().max() < 1e-4
+
+
+def _int8_llama():
+    model = VARIANTS["llama"]().to(torch.bfloat16)
+    quantize_model(model, "int8_weight_only")  # in place
+    return model
+
+
+def _hooked_llama():
+    model = VARIANTS["llama"]()
+    model.lm_head.register_forward_hook(lambda module, inputs, logits: logits * 0.5)
+    return model
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda: _model(MistralForCausalLM, MistralConfig, sliding_window=16), "16-token sliding window"),
+    (_int8_llama, "projections (quantized weights run through their own modules)"),
+    (_hooked_llama, "forward hooks on lm_head"),
+], ids=["mistral-window", "int8", "hooks"])
+def test_what_the_lean_decoder_refuses_runs_through_the_modules(make, words):
+    model = make()
+    ids = list(range(5, 17))  # within the window: paged attention has no sliding window on either path
+    expected, _ = _hf(model, ids)
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    assert runner.runner == MODULES and words in runner.why_modules, runner.why_modules
+    logits, _ = _packed(runner, ids, [1])
+    tolerance = 1e-4 if runner.dtype == torch.float32 else 0.02  # bfloat16 rounds packed rows differently
+    assert (logits - expected).abs().max() < tolerance * max(1.0, float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("config, positions, quantization, reason", [
+    ({"model_type": "llama"}, 2048, "none", None),
+    ({"model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096}, 8192, "none", None),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, 8192, "none", "sliding window"),
+    ({"model_type": "mistral", "sliding_window": 4096}, 4096, "none", None),
+    ({"model_type": "gpt2"}, 1024, "none", "model_type 'gpt2'"),
+    ({"model_type": "llama", "hidden_act": "gelu"}, 1024, "none", "hidden_act 'gelu'"),
+    ({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic"}}, 1024, "none", "rope_type 'dynamic'"),
+    ({"model_type": "llama", "rope_scaling": {"type": "longrope"}}, 1024, "none", "rope_type 'longrope'"),
+    ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, 1024, "none", "sliding"),
+    ({"model_type": "llama"}, 1024, "int8_weight_only", "int8_weight_only weights"),
+])
+def test_runner_for_reads_config_json(config, positions, quantization, reason):
+    runner, why = runner_for(config, positions, quantization)
+    assert (runner == LEAN) == (reason is None)
+    assert reason is None and why is None or reason in why, why
