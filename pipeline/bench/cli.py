@@ -179,7 +179,7 @@ def _finish(args, config, executor, source, plan, options, measured, run: dict, 
     """Memory bound, llama.cpp, results.json, the PNG and the printed report."""
     from .estimate import duration
     from .plot import plot_results
-    from .report import add_memory_bound, best_by_set, print_report, write_results
+    from .report import add_memory_bound, best_by_set, print_report, runner_info, runner_lines, write_results
     from .runner import machine_info, timestamp
 
     records, costs, notes = measured
@@ -203,7 +203,7 @@ def _finish(args, config, executor, source, plan, options, measured, run: dict, 
                     "k_values": options.swept(), "repeats": plan.repeats, "skip_hf": options.skip_hf,
                     "decoding": "greedy, batch 1"},
         "timing": timing, "cost_terms": {**costs.to_dict(), **(bound.to_dict() if bound else {})}, "notes": notes,
-        "best": best_by_set(records), "records": records,
+        "runners": runner_info(executor), "best": best_by_set(records), "records": records,
     }
     if llamacpp_info is not None:
         results["llamacpp"] = llamacpp_info
@@ -214,6 +214,7 @@ def _finish(args, config, executor, source, plan, options, measured, run: dict, 
                         f"{config.name} on {machine['device']} ({machine['cpu_count']} cores), "
                         f"{plan.max_new_tokens} new tokens, greedy, {plan.repeats} repeats")
     print_report(records, costs, bound, options.k_max)
+    print("\n".join(runner_lines(results["runners"])))
     if llamacpp_summary is not None:
         print(llamacpp_summary)
     print(f"bench took {duration(timing['total_s'])} (timed part {duration(timing['timed_s'])}, estimated "

@@ -27,6 +27,28 @@ def add_memory_bound(records: list[dict], executor):
     return bound
 
 
+def runner_info(executor) -> dict | None:
+    """Per role, the model runner and (lean decoder) the matrix product it measured per forward width; None for
+    the TensorRT-LLM executor."""
+    if not hasattr(executor, "engine"):
+        return None
+    runners = (("target", executor.target), ("draft", getattr(executor, "draft", None)))
+    return {role: {"runner": r.runner, "why_not_lean": r.why_modules,
+                   "kernels": r.kernels.to_dict() if r.kernels is not None else None}
+            for role, r in runners if r is not None}
+
+
+def runner_lines(info: dict | None) -> list[str]:
+    """One printed line per role: its runner and the product per width (``linear`` / ``w_xt``)."""
+    lines = []
+    for role, facts in (info or {}).items():
+        kernels = (facts["kernels"] or {}).get("by_width") or {}
+        products = ", ".join(f"{width}: {kind}" for width, kind in kernels.items()) or "F.linear at every width"
+        lines.append(f"{role} runner: {facts['runner']}" + (f" ({facts['why_not_lean']})" if facts["why_not_lean"]
+                                                           else f"; matrix product by forward width: {products}"))
+    return lines
+
+
 def best_by_set(records: list[dict]) -> dict[str, dict]:
     """results.json's "best": per set, the best variant of each swept method (median speedup) and the variants
     within its noise."""

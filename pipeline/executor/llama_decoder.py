@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..decoder_support import unsupported_config
+from . import matmul_choice
+from .matmul_choice import KernelPlan, product
 from .paged_attention import ForwardPlan, attend
 
 def unsupported(model, max_positions: int) -> str | None:
@@ -96,7 +98,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 class LlamaDecoder:
     """The decoder of a loaded Llama-family causal LM (see the module docstring); call it with one packed forward."""
 
-    def __init__(self, model, max_positions: int):
+    def __init__(self, model, max_positions: int, kernels: KernelPlan | None = None):
+        """``kernels``: the matrix product per forward width; left out, measured over the model's weights (a
+        model under matmul_choice.MIN_BYTES uses F.linear throughout)."""
         reason = unsupported(model, max_positions)
         if reason is not None:
             raise ValueError(f"the lean decoder cannot run this model: {reason}")
@@ -113,6 +117,14 @@ class LlamaDecoder:
             positions = torch.arange(max_positions, device=self.embed.device)[None]
             cos, sin = body.rotary_emb(self.embed[:1], positions)  # [1, P, d] in the model's dtype, as HF makes it
         self.cos, self.sin = cos[0], sin[0]
+        self.kernels = kernels if kernels is not None else self._measure_kernels()
+
+    def _measure_kernels(self) -> KernelPlan:
+        weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        weights.append(self.lm_head)
+        if matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
+            return KernelPlan()
+        return matmul_choice.measure(weights)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, cache, plan: ForwardPlan, keep: Tensor,
                  hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -121,25 +133,26 @@ class LlamaDecoder:
         [K, V] (and the final normed hidden states [K, d] with ``hidden``)."""
         x = self.embed[input_ids]  # [T, d]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
+        kind = self.kernels.kind(x.shape[0])
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, cache, plan)
-            h = F.linear(rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
+            x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, cache, plan, kind)
+            h = product(kind, rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
             gate, up = h.split(layer.intermediate, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            x = x + product(kind, F.silu(gate) * up, layer.down, layer.down_bias)
         final = rms_norm(x[keep], self.norm, self.eps)  # the LM head runs only where someone reads the logits
-        logits = F.linear(final, self.lm_head, self.lm_head_bias)
+        logits = product(self.kernels.kind(final.shape[0]), final, self.lm_head, self.lm_head_bias)
         return (logits, final) if hidden else logits
 
     def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, cache,
-                   plan: ForwardPlan) -> Tensor:
+                   plan: ForwardPlan, kind: str) -> Tensor:
         tokens = h.shape[0]
-        qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+        qkv = product(kind, h, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
         q = _rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
         k = _rotate(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
         out = _paged(index, q, k, v, cache, plan, layer.scaling)  # [1, T, heads, d]
-        return F.linear(out.reshape(tokens, self.heads * self.head_dim), layer.o, layer.o_bias)
+        return product(kind, out.reshape(tokens, self.heads * self.head_dim), layer.o, layer.o_bias)
 
 
 # The cache write and the attention read Python bookkeeping (the plan's groups, the pools' growth): torch.compile

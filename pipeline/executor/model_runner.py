@@ -47,6 +47,8 @@ class BatchModelRunner:
         self.why_modules = llama_decoder.unsupported(model, max_tokens) if lean else "the lean decoder is off"
         self._decoder = llama_decoder.LlamaDecoder(model, max_tokens) if self.why_modules is None else None
         self.runner = LEAN if self._decoder is not None else MODULES
+        # The matrix product per forward width (lean decoder only; see matmul_choice), for bench and tests.
+        self.kernels = self._decoder.kernels if self._decoder is not None else None
         self._plan = None
         call = self._call if self._decoder is None else self._call_lean
         self._forward = torch.compile(call, dynamic=True) if compile else call

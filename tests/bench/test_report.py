@@ -64,3 +64,16 @@ def test_the_printed_report_carries_the_summary_the_drift_and_the_noisy_cells(ca
     assert "cost terms: c = 0.250 (draft 1.00 ms / target 4.00 ms per token); verify cost K=1..3: 1.25 1.50 1.75" in out
     for start in ("code: best speculative K=1", "the machine's speed moved between repeats", "noisy cells (3 of 4)"):
         assert f"\n{start}" in out
+
+
+def test_runner_lines_say_the_runner_and_the_product_per_width():
+    from pipeline.bench.report import runner_lines
+
+    info = {"target": {"runner": "lean", "why_not_lean": None,
+                       "kernels": {"by_width": {"1": "linear", "2": "w_xt"}, "ms": {}}},
+            "draft": {"runner": "hf-modules", "why_not_lean": "model_type 'gpt2' is not one of llama, mistral, qwen2",
+                      "kernels": None}}
+    assert runner_lines(info) == [
+        "target runner: lean; matrix product by forward width: 1: linear, 2: w_xt",
+        "draft runner: hf-modules (model_type 'gpt2' is not one of llama, mistral, qwen2)"]
+    assert runner_lines(None) == []

@@ -10,6 +10,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from pipeline.decoder_support import LEAN, MODULES, runner_for
+from pipeline.executor.llama_decoder import LlamaDecoder
+from pipeline.executor.matmul_choice import KernelPlan
 from pipeline.executor.model_runner import BatchModelRunner
 from pipeline.quantize import quantize_model
 
@@ -138,3 +140,15 @@ def test_runner_for_reads_config_json(config, positions, quantization, reason):
     runner, why = runner_for(config, positions, quantization)
     assert (runner == LEAN) == (reason is None)
     assert reason is None and why is None or reason in why, why
+
+
+@pytest.mark.parametrize("kind", ["linear", "w_xt"])
+def test_either_matrix_product_gives_the_modules_logits(kind):
+    model = VARIANTS["llama-biases"]()
+    ids = list(range(3, 30))
+    expected, _ = _hf(model, ids)
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    assert runner.kernels == KernelPlan()  # a tiny model is not timed: F.linear throughout
+    runner._decoder = LlamaDecoder(model, 200, KernelPlan(dict.fromkeys(range(1, 64), kind)))
+    logits, _ = _packed(runner, ids, [4, 5])
+    assert (logits - expected).abs().max() < 1e-4

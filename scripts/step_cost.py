@@ -1,0 +1,94 @@
+"""What one engine forward of W tokens costs, on the lean decoder and through the Hugging Face modules: the
+verify-cost curve of a model on this machine (a verify of K draft tokens is a forward of K + 1).
+
+    python scripts/step_cost.py MODEL_FOLDER [--dtype float32] [--widths 1 2 3 4 5 8] [--threads 2] [--json FILE]
+
+Both runners hold the same model (the lean one's fused matrices are the weights the modules read) and the same
+--context tokens of KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best
+of --rounds rounds, the runners and widths interleaved in each (the machine is shared). Prints the CPU model, the
+lean decoder's measured product per width, and a table: ms per forward and its ratio to a 1-token forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.draft_cost import cpu_model  # noqa: E402
+
+SEQ = "seq"
+
+
+def open_runners(model, context: int) -> dict:
+    from pipeline.executor.model_runner import BatchModelRunner
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    prompt = [(7 * i + 3) % vocab for i in range(context)]
+    runners = {}
+    for name, lean in (("hf-modules", False), ("lean", True)):
+        runner = BatchModelRunner(model, "cpu", max_tokens=context + 64, block_size=16, max_blocks=-(-context // 16) + 8,
+                                  lean=lean)
+        runner.open(SEQ, prompt)
+        runner.forward([SEQ], [prompt], logits_for=[1])
+        runners[name] = runner
+    return runners
+
+
+def time_widths(runners: dict, widths: list[int], context: int, rounds: int) -> dict:
+    best = {(name, w): float("inf") for name in runners for w in widths}
+    for _ in range(rounds):
+        for width in widths:
+            for name, runner in runners.items():
+                start = time.perf_counter()
+                runner.forward([SEQ], [[5] * width])
+                best[name, width] = min(best[name, width], (time.perf_counter() - start) * 1e3)
+                runner.truncate(SEQ, context)
+    return best
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model", type=Path, help="a Hugging Face model folder")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8])
+    parser.add_argument("--context", type=int, default=100, help="tokens of KV each forward attends over")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--json", type=Path, default=None, help="write the table here too")
+    args = parser.parse_args(argv)
+    if any(w < 1 for w in args.widths) or args.rounds < 1 or args.context < 1:
+        parser.error("--widths, --rounds and --context take positive integers")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    runners = open_runners(model, args.context)
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}")
+    lean = runners["lean"]
+    print(f"lean decoder: {lean.runner}" + (f" ({lean.why_modules})" if lean.why_modules else
+                                            f"; product by width: {lean.kernels.to_dict()['by_width'] or 'F.linear'}"))
+    best = time_widths(runners, args.widths, args.context, args.rounds)
+    rows = [{"runner": name, "width": w, "ms": round(best[name, w], 2),
+             "vs_one_token": round(best[name, w] / best[name, args.widths[0]], 3)}
+            for name in runners for w in args.widths]
+    print(f"{'runner':<11} " + " ".join(f"{'W=' + str(w):>14}" for w in args.widths))
+    for name in runners:
+        print(f"{name:<11} " + " ".join(f"{best[name, w]:7.1f} ({best[name, w] / best[name, args.widths[0]]:.2f})"
+                                        for w in args.widths))
+    if args.json:
+        args.json.write_text(json.dumps({"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+                                         "kernels": lean.kernels.to_dict() if lean.kernels else None, "rows": rows},
+                                        indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""pipeline/executor/matmul_choice.py: both forms compute the same product, the plan takes the fastest measured form
+per width, and a decoder on either form gives the modules' logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pipeline.executor import matmul_choice
+from pipeline.executor.matmul_choice import KINDS, KernelPlan, measure, product
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_is_the_same_product(kind, bias):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(5, 24, generator=gen), torch.randn(40, 24, generator=gen)
+    b = torch.randn(40, generator=gen) if bias else None
+    expected = x @ weight.T + (b if bias else 0)
+    assert torch.allclose(product(kind, x, weight, b), expected, atol=1e-5)
+
+
+def test_the_plan_takes_the_fastest_form_per_width(monkeypatch):
+    costs = {("linear", 1): 1.0, ("w_xt", 1): 2.0, ("linear", 2): 3.0, ("w_xt", 2): 1.5, ("linear", 4): 2.0,
+             ("w_xt", 4): 2.5, ("linear", 8): 2.0, ("w_xt", 8): 1.9}
+    monkeypatch.setattr(matmul_choice, "_pass", lambda kind, weights, inputs, width: costs[kind, width] / 1e3)
+    plan = measure([torch.zeros(8, 4)], widths=(1, 2, 4, 8), rounds=2)
+    # w_xt only where clearly faster: at 8 it is 5% faster, within the noise, and F.linear stays
+    assert plan.by_width == {1: "linear", 2: "w_xt", 4: "linear", 8: "linear"}
+    assert plan.kind(3) == plan.kind(64) == "linear"  # widths not measured (prompt chunks) use F.linear
+    assert plan.times_ms[("w_xt", 2)] == pytest.approx(1.5)
+    assert plan.to_dict()["by_width"] == {"1": "linear", "2": "w_xt", "4": "linear", "8": "linear"}
+
+
+def test_a_real_measurement_covers_every_width():
+    plan = measure([torch.randn(64, 32), torch.randn(32, 64)], widths=(1, 3), rounds=1)
+    assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(KINDS)
+    assert all(ms > 0 for ms in plan.times_ms.values()) and len(plan.times_ms) == 2 * len(KINDS)
+
+
+def test_a_small_model_is_not_timed():
+    assert KernelPlan().kind(1) == "linear"
+    assert matmul_choice.weight_bytes([torch.zeros(10, 10)]) == 400 < matmul_choice.MIN_BYTES

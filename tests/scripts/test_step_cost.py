@@ -1,0 +1,25 @@
+"""scripts/step_cost.py: the forward cost per width on both runners, as a table and JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_the_table_has_both_runners_at_every_width(tiny_pair, tmp_path):
+    out = tmp_path / "cost.json"
+    result = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--widths", "1", "3",
+                             "--rounds", "1", "--context", "20", "--threads", "1", "--json", str(out)], cwd=REPO,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("CPU: ") and "lean decoder: lean" in result.stdout
+    table = json.loads(out.read_text())
+    assert [(row["runner"], row["width"]) for row in table["rows"]] == [
+        ("hf-modules", 1), ("hf-modules", 3), ("lean", 1), ("lean", 3)]
+    assert all(row["ms"] > 0 for row in table["rows"]) and table["rows"][0]["vs_one_token"] == 1.0
+    bad = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--widths", "0"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "positive integers" in bad.stderr
