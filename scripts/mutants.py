@@ -52,9 +52,9 @@ class Mutant:
 
 MUTANTS = [
     Mutant("temperature_draft_only", ENGINE,
-           "target_probs = torch.stack([logits_to_probs(judged[i], batch.requests[row].params)",
-           "target_probs = torch.stack([logits_to_probs(judged[i], type(batch.requests[row].params)(1.0, "
-           "batch.requests[row].params.top_k, batch.requests[row].params.top_p))",
+           "[logits_to_probs(judged[i], batch.requests[row].params) for i, row in enumerate(chosen)]",
+           "[logits_to_probs(judged[i], type(batch.requests[row].params)(1.0, batch.requests[row].params.top_k, "
+           "batch.requests[row].params.top_p)) for i, row in enumerate(chosen)]",
            "temperature applied to the draft's distribution only (the target's stays at 1)"),
     Mutant("temperature_target_only", DRAFT,
            "row_probs = logits_to_probs(logits[i][None], request.params)  # [1, V]",
@@ -135,8 +135,8 @@ MUTANTS = [
            "usable = len(prompt) // self.block_size",
            "a prompt that is exactly cached blocks reuses them all, so its last token is never computed"),
     Mutant("prefix_hash_ignores_parent", POOL,
-           "parent = hash((parent, tuple(tokens[start:start + block_size])))",
-           "parent = hash((None, tuple(tokens[start:start + block_size])))",
+           "parent = digest(parent, tokens[start:start + block_size])",
+           "parent = digest(ROOT, tokens[start:start + block_size])",
            "a block is reused whenever its own tokens match, whatever came before it"),
     Mutant("commit_uncommitted_tokens", CACHE,
            "self.pool.commit(seq, tokens[:self.lengths[seq]])",
@@ -147,8 +147,8 @@ MUTANTS = [
            "chunk = request.sequence[have:min(have + left, len(request.sequence))]",
            "a prompt chunk also feeds the last prompt token, which the first step feeds again"),
     Mutant("medusa_hidden_at_root", ENGINE,
-           "last_position.append(int(batch.first_logit[row]) + (path[-1] if path else accepted))",
-           "last_position.append(int(batch.first_logit[row]) + accepted)",
+           "last_position[row] = int(batch.first_logit[row]) + (path[-1] if path else accepted)",
+           "last_position[row] = int(batch.first_logit[row]) + accepted",
            "the heads read the hidden state at the accepted depth's offset, not at the accepted node"),
 ]
 
