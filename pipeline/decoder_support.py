@@ -30,8 +30,9 @@ def unsupported_config(config: dict, max_positions: int) -> str | None:
 
 
 def runner_for(config: dict, max_positions: int, quantization: str = "none") -> tuple[str, str | None]:
-    """(LEAN or MODULES, why not LEAN or None) for a model with this config.json, held at ``quantization``."""
+    """(LEAN or MODULES, why not LEAN or None) for a model with this config.json, held at ``quantization`` (the
+    lean decoder runs float and int8 weight-only layers)."""
     reason = unsupported_config(config, max_positions)
-    if reason is None and quantization != "none":
+    if reason is None and quantization not in ("none", "int8_weight_only"):
         reason = f"{quantization} weights run through their own modules"
     return (MODULES, reason) if reason else (LEAN, None)

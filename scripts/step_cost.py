@@ -1,7 +1,8 @@
 """What one engine forward of W tokens costs, on the lean decoder and through the Hugging Face modules: the
 verify-cost curve of a model on this machine (a verify of K draft tokens is a forward of K + 1).
 
-    python scripts/step_cost.py MODEL_FOLDER [--dtype float32] [--widths 1 2 3 4 5 8] [--threads 2] [--json FILE]
+    python scripts/step_cost.py MODEL_FOLDER [--dtype float32] [--int8] [--widths 1 2 3 4 5 8] [--threads 2]
+                                [--json FILE]
 
 Both runners hold the same model (the lean one's fused matrices are the weights the modules read) and the same
 --context tokens of KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", type=Path, help="a Hugging Face model folder")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4, 5, 8])
+    parser.add_argument("--int8", action="store_true",
+                        help="int8 weight-only layers (as build.quantization.mode int8_weight_only loads them)")
     parser.add_argument("--context", type=int, default=100, help="tokens of KV each forward attends over")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -70,11 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=getattr(torch, args.dtype)).eval()
+    if args.int8:
+        from pipeline.quantize import quantize_model
+
+        quantize_model(model, "int8_weight_only")
     runners = open_runners(model, args.context)
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}")
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}" + (" int8 weights" if args.int8 else ""))
     lean = runners["lean"]
+    default = "the int8 kernel" if args.int8 else "F.linear"
     print(f"lean decoder: {lean.runner}" + (f" ({lean.why_modules})" if lean.why_modules else
-                                            f"; product by width: {lean.kernels.to_dict()['by_width'] or 'F.linear'}"))
+                                            f"; product by width: {lean.kernels.to_dict()['by_width'] or default}"))
     best = time_widths(runners, args.widths, args.context, args.rounds)
     rows = [{"runner": name, "width": w, "ms": round(best[name, w], 2),
              "vs_one_token": round(best[name, w] / best[name, args.widths[0]], 3)}
@@ -85,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                                         for w in args.widths))
     if args.json:
         args.json.write_text(json.dumps({"cpu": cpu_model(), "threads": torch.get_num_threads(), "dtype": args.dtype,
+                                         "int8": args.int8,
                                          "kernels": lean.kernels.to_dict() if lean.kernels else None, "rows": rows},
                                         indent=2) + "\n")
     return 0

@@ -106,8 +106,7 @@ def test_check_says_what_int8_weights_cost_in_exactness(tiny_pair, tmp_path):
     target_line = next(line for line in report.ok if line.startswith("target weights int8"))
     assert "quantized target's own target-only output, not the unquantized model's" in target_line
     assert any(line.startswith("draft weights int8") and "acceptance rate" in line for line in report.ok)
-    assert "target: runs through the Hugging Face modules (int8_weight_only weights run through their own " \
-           "modules)" in report.ok
+    assert "target: runs on the lean Llama-family decoder" in report.ok
     assert not report.warnings and not report.errors
     data["target"]["dtype"] = "float32"
     warned = check_pair(load_config(write_config(tmp_path, data))).warnings

@@ -77,7 +77,7 @@ def test_quantization_reaches_the_engine_with_its_measured_error(tiny_pair, tmp_
     target = json.loads((engines / config.name / "target" / "build" / "engine.json").read_text())
     draft = json.loads((engines / config.name / "draft" / "build" / "engine.json").read_text())
     assert (target["quantization"], draft["quantization"]) == ("int8_weight_only", "none")
-    assert (target["runner"], draft["runner"]) == ("hf-modules", "lean")  # int8 layers run as modules
+    assert (target["runner"], draft["runner"]) == ("lean", "lean")  # int8 layers are fused like float ones
     error = target["quantization_error"]
     assert error["mode"] == "int8_weight_only" and error["weight_bytes_after"] < error["weight_bytes_before"]
     assert 0 < error["max_abs_logit_error"] < 1 and error["top1_agreement"] >= 0.8 and error["positions"] > 8
@@ -89,7 +89,7 @@ def test_quantization_reaches_the_engine_with_its_measured_error(tiny_pair, tmp_
     assert [r.status for r in results] == ["built", "built"]  # engine.json changed: both rebuilt
     plain = SpeculativeExecutor.from_engines(engines / config.name)
     assert not any(isinstance(m, Int8WeightOnlyLinear) for m in plain.target.model.modules())
-    assert (executor.target.runner, executor.draft.runner, plain.target.runner) == ("hf-modules", "lean", "lean")
+    assert (executor.target.runner, executor.draft.runner, plain.target.runner) == ("lean", "lean", "lean")
 
 
 def test_changed_source_weights_invalidate_convert(tiny_pair, tmp_path):

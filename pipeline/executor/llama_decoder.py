@@ -20,9 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..decoder_support import unsupported_config
+from ..quantize import Int8WeightOnlyLinear
 from . import matmul_choice
 from .matmul_choice import KernelPlan, product
 from .paged_attention import ForwardPlan, attend
+
+MATRIX_TYPES = {nn.Linear, Int8WeightOnlyLinear}
+
 
 def unsupported(model, max_positions: int) -> str | None:
     """Why the loaded ``model`` cannot run on the lean decoder (a sentence), or None."""
@@ -31,10 +35,13 @@ def unsupported(model, max_positions: int) -> str | None:
         return reason
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-            if type(linear) is not nn.Linear:
-                return f"{type(linear).__name__} projections (quantized weights run through their own modules)"
-    if type(model.lm_head) is not nn.Linear:
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                      (mlp.down_proj,)):
+            kinds = {type(linear) for linear in group}
+            if len(kinds) > 1 or not kinds <= MATRIX_TYPES:
+                return f"{'/'.join(sorted(k.__name__ for k in kinds))} projections (the decoder fuses nn.Linear " \
+                       f"and int8 weight-only layers)"
+    if type(model.lm_head) not in MATRIX_TYPES:
         return f"a {type(model.lm_head).__name__} LM head"
     hooked = next((name for name, module in model.named_modules() if _user_hooks(module)), None)
     if hooked is not None:  # the lean decoder calls no module, so a hook (instrumentation, offloading) would not run
@@ -48,9 +55,11 @@ def _user_hooks(module) -> bool:
     return any(not getattr(hook, "__module__", "").startswith("transformers.utils.output_capturing") for hook in hooks)
 
 
-def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+def _fuse(linears: list) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
     """One [sum(out), in] matrix (and bias) holding ``linears``' weights; each linear's weight (and bias) becomes a
-    view into it, so the memory is not doubled."""
+    view into it, so the memory is not doubled. int8 layers fuse into one int8 layer (the bias inside it)."""
+    if isinstance(linears[0], Int8WeightOnlyLinear):
+        return _fuse_int8(linears), None
     weight = torch.cat([linear.weight.detach() for linear in linears])
     biases = [linear.bias for linear in linears]
     bias = None if all(b is None for b in biases) else torch.cat(
@@ -65,13 +74,38 @@ def _fuse(linears: list[nn.Linear]) -> tuple[Tensor, Tensor | None]:
     return weight, bias
 
 
+def _fuse_int8(layers: list[Int8WeightOnlyLinear]) -> Int8WeightOnlyLinear:
+    """Per output channel the int8 kernel is independent of the other channels: stacking the rows and their scales
+    gives each channel the same numbers it had alone."""
+    biases = [layer.bias for layer in layers]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else layer.scale.new_zeros(layer.out_features) for b, layer in zip(biases, layers)])
+    fused = Int8WeightOnlyLinear(torch.cat([layer.qweight for layer in layers]),
+                                 torch.cat([layer.scale for layer in layers]), bias)
+    start = 0
+    for layer in layers:
+        end = start + layer.out_features
+        layer.qweight, layer.scale = fused.qweight[start:end], fused.scale[start:end]
+        if layer.bias is not None:
+            layer.bias = nn.Parameter(fused.bias[start:end], requires_grad=False)
+        start = end
+    return fused
+
+
+def _matrix(linear) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
+    """An unfused projection as (weight, bias); an int8 layer is kept whole (it applies its bias)."""
+    if isinstance(linear, Int8WeightOnlyLinear):
+        return linear, None
+    return linear.weight.detach(), linear.bias
+
+
 class _Layer:
     def __init__(self, layer):
         attn, mlp = layer.self_attn, layer.mlp
         self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o, self.o_bias = attn.o_proj.weight.detach(), attn.o_proj.bias
+        self.o, self.o_bias = _matrix(attn.o_proj)
         self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.down, self.down_bias = mlp.down_proj.weight.detach(), mlp.down_proj.bias
+        self.down, self.down_bias = _matrix(mlp.down_proj)
         self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.norm2, self.eps2 = layer.post_attention_layernorm.weight.detach(), \
             layer.post_attention_layernorm.variance_epsilon
@@ -111,8 +145,7 @@ class LlamaDecoder:
         self.embed = body.embed_tokens.weight.detach()
         self.layers = [_Layer(layer) for layer in body.layers]
         self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
-        self.lm_head = model.lm_head.weight.detach()
-        self.lm_head_bias = model.lm_head.bias
+        self.lm_head, self.lm_head_bias = _matrix(model.lm_head)
         with torch.inference_mode():
             positions = torch.arange(max_positions, device=self.embed.device)[None]
             cos, sin = body.rotary_emb(self.embed[:1], positions)  # [1, P, d] in the model's dtype, as HF makes it
@@ -122,8 +155,9 @@ class LlamaDecoder:
     def _measure_kernels(self) -> KernelPlan:
         weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         weights.append(self.lm_head)
-        if matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
-            return KernelPlan()
+        if any(not isinstance(w, Tensor) for w in weights) or \
+                matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
+            return KernelPlan()  # int8 layers have one kernel; a small model's step is not its products
         return matmul_choice.measure(weights)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, cache, plan: ForwardPlan, keep: Tensor,

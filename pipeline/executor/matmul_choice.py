@@ -27,8 +27,11 @@ ROUNDS = 2
 MARGIN = 0.9
 
 
-def product(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """x [T, in] times weight [out, in] (+ bias) -> [T, out], computed as ``kind`` says."""
+def product(kind: str, x: Tensor, weight, bias: Tensor | None) -> Tensor:
+    """x [T, in] times weight [out, in] (+ bias) -> [T, out], computed as ``kind`` says; a weight that is a module
+    (an int8 layer, which holds its bias) is called."""
+    if not isinstance(weight, Tensor):
+        return weight(x)
     if kind == "linear":
         return F.linear(x, weight, bias)
     out = (weight @ x.T).T

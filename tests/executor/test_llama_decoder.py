@@ -110,9 +110,8 @@ def _hooked_llama():
 
 @pytest.mark.parametrize("make, words", [
     (lambda: _model(MistralForCausalLM, MistralConfig, sliding_window=16), "16-token sliding window"),
-    (_int8_llama, "projections (quantized weights run through their own modules)"),
     (_hooked_llama, "forward hooks on lm_head"),
-], ids=["mistral-window", "int8", "hooks"])
+], ids=["mistral-window", "hooks"])
 def test_what_the_lean_decoder_refuses_runs_through_the_modules(make, words):
     model = make()
     ids = list(range(5, 17))  # within the window: paged attention has no sliding window on either path
@@ -134,7 +133,8 @@ def test_what_the_lean_decoder_refuses_runs_through_the_modules(make, words):
     ({"model_type": "llama", "rope_parameters": {"rope_type": "dynamic"}}, 1024, "none", "rope_type 'dynamic'"),
     ({"model_type": "llama", "rope_scaling": {"type": "longrope"}}, 1024, "none", "rope_type 'longrope'"),
     ({"model_type": "llama", "layer_types": ["full_attention", "sliding_attention"]}, 1024, "none", "sliding"),
-    ({"model_type": "llama"}, 1024, "int8_weight_only", "int8_weight_only weights"),
+    ({"model_type": "llama"}, 1024, "int8_weight_only", None),
+    ({"model_type": "llama"}, 1024, "fp8", "fp8 weights"),
 ])
 def test_runner_for_reads_config_json(config, positions, quantization, reason):
     runner, why = runner_for(config, positions, quantization)
@@ -152,3 +152,17 @@ def test_either_matrix_product_gives_the_modules_logits(kind):
     runner._decoder = LlamaDecoder(model, 200, KernelPlan(dict.fromkeys(range(1, 64), kind)))
     logits, _ = _packed(runner, ids, [4, 5])
     assert (logits - expected).abs().max() < 1e-4
+
+
+def test_int8_layers_run_fused_on_the_lean_decoder_with_the_modules_numbers():
+    model = _int8_llama()
+    ids = list(range(3, 30))
+    modules = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=False)
+    expected, _ = _packed(modules, ids, [4, 5])
+    lean = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    assert lean.runner == LEAN, lean.why_modules
+    got, _ = _packed(lean, ids, [4, 5])
+    assert torch.equal(got, expected)  # per output channel the int8 kernel does the same work fused or not
+    again, _ = _packed(BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=False),
+                       ids, [4, 5])
+    assert torch.equal(again, expected)  # the modules now read views of the fused int8 rows: the same numbers
