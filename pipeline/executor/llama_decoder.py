@@ -158,7 +158,7 @@ class LlamaDecoder:
         if any(not isinstance(w, Tensor) for w in weights) or \
                 matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
             return KernelPlan()  # int8 layers have one kernel; a small model's step is not its products
-        return matmul_choice.measure(weights)
+        return matmul_choice.measured_once(weights)
 
     def __call__(self, input_ids: Tensor, positions: Tensor, cache, plan: ForwardPlan, keep: Tensor,
                  hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:

@@ -41,3 +41,14 @@ def test_a_real_measurement_covers_every_width():
 def test_a_small_model_is_not_timed():
     assert KernelPlan().kind(1) == "linear"
     assert matmul_choice.weight_bytes([torch.zeros(10, 10)]) == 400 < matmul_choice.MIN_BYTES
+
+
+def test_matrices_of_the_same_shapes_are_timed_once_per_process(monkeypatch):
+    calls = []
+    monkeypatch.setattr(matmul_choice, "_PLANS", {})
+    monkeypatch.setattr(matmul_choice, "_pass", lambda kind, weights, inputs, width: calls.append(width) or 1e-3)
+    first = matmul_choice.measured_once([torch.zeros(8, 4), torch.zeros(4, 8)])
+    timed = len(calls)
+    assert matmul_choice.measured_once([torch.ones(8, 4), torch.ones(4, 8)]) is first and len(calls) == timed
+    matmul_choice.measured_once([torch.zeros(8, 4, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)])
+    assert len(calls) == 2 * timed  # another dtype is timed on its own

@@ -6,9 +6,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 
+@pytest.mark.slow  # three model loads in subprocesses: about 20 s on 2 cores
 def test_the_table_has_both_runners_at_every_width(tiny_pair, tmp_path):
     out = tmp_path / "cost.json"
     result = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--widths", "1", "3",
