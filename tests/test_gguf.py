@@ -66,6 +66,7 @@ def test_gguf_source_runs_check_convert_build_and_records_its_hash(real_gguf_fil
     assert len(out.token_ids) == 4 and out.text.strip()
 
 
+@pytest.mark.slow  # transformers parses the real GGUF's header and tokenizer: about 13 s
 def test_config_tokenizer_and_weights_read_from_the_file_without_dequantizing(real_gguf_file, real_model_dir,
                                                                               tmp_path, isolated_cache):
     from transformers import AutoTokenizer
@@ -141,6 +142,7 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path):
         resolve_model(ModelSpec(model=str(other)), "target", tmp_path)
 
 
+@pytest.mark.slow  # transformers parses the real GGUF's header and tokenizer: about 13 s
 def test_trtllm_plan_converts_the_dequantized_folder(real_gguf_file, tmp_path, isolated_cache):
     """TensorRT-LLM's converters read HF folders: the dry-run says the GGUF is dequantized first and that
     from_hugging_face reads that folder (trtllm.convert gets it from resolve_model, like every source)."""
