@@ -61,9 +61,7 @@ def _fuse(linears: list) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
     if isinstance(linears[0], Int8WeightOnlyLinear):
         return _fuse_int8(linears), None
     weight = torch.cat([linear.weight.detach() for linear in linears])
-    biases = [linear.bias for linear in linears]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else weight.new_zeros(linear.out_features) for b, linear in zip(biases, linears)])
+    bias = _stacked_bias(linears, weight)
     start = 0
     for linear in linears:
         end = start + linear.out_features
@@ -74,12 +72,18 @@ def _fuse(linears: list) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
     return weight, bias
 
 
+def _stacked_bias(layers: list, like: Tensor) -> Tensor | None:
+    """The layers' biases end to end (zeros for a layer without one), or None when none has a bias."""
+    if all(layer.bias is None for layer in layers):
+        return None
+    return torch.cat([layer.bias.detach() if layer.bias is not None else like.new_zeros(layer.out_features)
+                      for layer in layers])
+
+
 def _fuse_int8(layers: list[Int8WeightOnlyLinear]) -> Int8WeightOnlyLinear:
     """Per output channel the int8 kernel is independent of the other channels: stacking the rows and their scales
     gives each channel the same numbers it had alone."""
-    biases = [layer.bias for layer in layers]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b.detach() if b is not None else layer.scale.new_zeros(layer.out_features) for b, layer in zip(biases, layers)])
+    bias = _stacked_bias(layers, layers[0].scale)
     fused = Int8WeightOnlyLinear(torch.cat([layer.qweight for layer in layers]),
                                  torch.cat([layer.scale for layer in layers]), bias)
     start = 0
