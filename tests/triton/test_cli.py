@@ -289,8 +289,10 @@ def test_crashed_tritonserver_is_restarted(serving):
     assert status == 200 and len(answer["output_ids"]) == 4, answer
 
 
-def _stream_until_error(grpc_port: int, first_token: threading.Event, headers: dict | None = None) -> str:
-    """A long gRPC stream: what ends it (an error text, or "finished"); ``first_token`` is set when it is running."""
+def _stream_until_error(grpc_port: int, first_token: threading.Event, headers: dict | None = None,
+                        go: threading.Barrier | None = None) -> str:
+    """A long gRPC stream: what ends it (an error text, or "finished"); ``first_token`` is set when it is running.
+    With ``go``, the request is sent when the barrier opens (the stream itself is open by then)."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -301,6 +303,8 @@ def _stream_until_error(grpc_port: int, first_token: threading.Event, headers: d
     inputs = [grpcclient.InferInput("text_input", [1, 1], "BYTES"), grpcclient.InferInput("max_tokens", [1, 1], "INT32")]
     inputs[0].set_data_from_numpy(np.array([[b"def f(x):"]], dtype=np.object_))
     inputs[1].set_data_from_numpy(np.array([[400]], dtype=np.int32))
+    if go is not None:
+        go.wait(60)
     client.async_stream_infer("speculative_stream", inputs)
     try:
         while True:
@@ -315,6 +319,20 @@ def _stream_until_error(grpc_port: int, first_token: threading.Event, headers: d
         client.stop_stream(cancel_requests=True)
 
 
+def _wait_running(metrics_port: int, config: Path, count: int, timeout: float = 60) -> bool:
+    """Whether the engine's occupancy gauge reached ``count`` running requests within ``timeout`` seconds."""
+    want = count / yaml.safe_load(config.read_text())["build"]["max_batch_size"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as page:
+            lines = page.read().decode().splitlines()
+        if any(line.startswith("spec_batch_occupancy{") and 'model="speculative_stream"' in line
+               and float(line.rsplit(" ", 1)[1]) >= want - 1e-6 for line in lines):
+            return True
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.server
 def test_dead_model_process_fails_requests_in_flight_then_serve_restarts_then_gives_up(serving):
     # Last in this module: it ends the module's server. serve runs with --max-restarts 2, one used by the crash test.
@@ -323,14 +341,22 @@ def test_dead_model_process_fails_requests_in_flight_then_serve_restarts_then_gi
     triton = serve.triton_pid
     # the crash test above restarted it once already
     restarting, restarts = serve.text().count("restarting tritonserver"), serve.text().count("tritonserver restarted")
-    running = threading.Event()
+    running, go = threading.Event(), threading.Barrier(4)
+
+    def generate():
+        go.wait(60)
+        return _generate(ports["http_port"], max_tokens=400, timeout=120)
+
+    # The three must be in the engine together when it dies (each ends in under a second): sent at once, and the
+    # engine killed as soon as all three run.
+    engine = _stubs(triton)["speculative_stream"][0]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        in_flight = [pool.submit(_generate, ports["http_port"], max_tokens=400, timeout=120),
-                     pool.submit(_generate, ports["http_port"], max_tokens=400, timeout=120),
-                     pool.submit(_stream_until_error, ports["grpc_port"], running)]
-        assert running.wait(60)  # the stream's first token: the engine is generating for all three
+        in_flight = [pool.submit(generate), pool.submit(generate),
+                     pool.submit(_stream_until_error, ports["grpc_port"], running, None, go)]
+        go.wait(60)
+        assert _wait_running(ports["metrics_port"], config, 3), [f.result() for f in in_flight]
         killed = time.monotonic()
-        os.kill(_stubs(triton)["speculative_stream"][0], signal.SIGKILL)  # what the kernel's OOM killer does
+        os.kill(engine, signal.SIGKILL)  # what the kernel's OOM killer does
         outcomes = [future.result(timeout=60) for future in in_flight]
         ended_after = time.monotonic() - killed
     assert ended_after < 15, (ended_after, outcomes)  # they hung forever (> 120 s) before
