@@ -268,8 +268,13 @@ class RuntimeSpec(_Section):
                                                                        "available.")
     target_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the target (trtllm).")
     draft_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the draft (trtllm).")
-    torch_compile: bool = Field(False, description="torch backend: torch.compile the draft and target forwards "
-                                                   "(dynamic shapes; the first requests pay the compile time).")
+    torch_compile: bool | Literal["max-autotune"] = Field(
+        False, description="torch backend: compile the draft and target forwards with torch.compile at engine "
+                           "start. A Llama-family model (the lean decoder) gets one graph per power-of-two width "
+                           "with its weights frozen in, all compiled before the first request (seconds per graph; "
+                           "'max-autotune' also times candidate kernels, tens of seconds per graph, cached by "
+                           "inductor for the next start); any other model is compiled with dynamic shapes as its "
+                           "first requests arrive.")
 
 
 class ServeSpec(_Section):

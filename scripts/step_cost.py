@@ -2,9 +2,10 @@
 verify-cost curve of a model on this machine (a verify of K draft tokens is a forward of K + 1).
 
     python scripts/step_cost.py MODEL_FOLDER [--dtype float32] [--int8] [--widths 1 2 3 4 5 8] [--threads 2]
-                                [--json FILE]
+                                [--compile [max-autotune]] [--json FILE]
 
-Both runners hold the same model (the lean one's fused matrices are the weights the modules read) and the same
+With --compile, the lean decoder compiled per width bucket is a third runner (its warm-up time is printed). The
+runners hold the same model (the lean one's fused matrices are the weights the modules read) and the same
 --context tokens of KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best
 of --rounds rounds, the runners and widths interleaved in each (the machine is shared). Prints the CPU model, the
 lean decoder's measured product per width, and a table: ms per forward and its ratio to a 1-token forward.
@@ -27,15 +28,20 @@ from scripts.draft_cost import cpu_model  # noqa: E402
 SEQ = "seq"
 
 
-def open_runners(model, context: int) -> dict:
+def open_runners(model, context: int, compile: bool | str = False, max_width: int = 8) -> dict:
+    """The modules and the lean decoder, and with ``compile`` the lean decoder compiled per width bucket up to
+    ``max_width`` (its warm-up is done here)."""
     from pipeline.executor.model_runner import BatchModelRunner
 
     vocab = model.get_output_embeddings().weight.shape[0]
     prompt = [(7 * i + 3) % vocab for i in range(context)]
+    kinds = [("hf-modules", {"lean": False}), ("lean", {})]
+    if compile:
+        kinds.append(("compiled", {"compile": True, "max_width": max_width, "autotune": compile == "max-autotune"}))
     runners = {}
-    for name, lean in (("hf-modules", False), ("lean", True)):
-        runner = BatchModelRunner(model, "cpu", max_tokens=context + 64, block_size=16, max_blocks=-(-context // 16) + 8,
-                                  lean=lean)
+    for name, options in kinds:
+        runner = BatchModelRunner(model, "cpu", max_tokens=context + 64, block_size=16,
+                                  max_blocks=-(-context // 16) + 8, **options)
         runner.open(SEQ, prompt)
         runner.forward([SEQ], [prompt], logits_for=[1])
         runners[name] = runner
@@ -64,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=100, help="tokens of KV each forward attends over")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["max-autotune"],
+                        help="also time the lean decoder compiled per width bucket (as runtime.torch_compile; "
+                             "'max-autotune' times candidate kernels too: minutes)")
     parser.add_argument("--json", type=Path, default=None, help="write the table here too")
     args = parser.parse_args(argv)
     if any(w < 1 for w in args.widths) or args.rounds < 1 or args.context < 1:
@@ -77,12 +86,16 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.quantize import quantize_model
 
         quantize_model(model, "int8_weight_only")
-    runners = open_runners(model, args.context)
+    runners = open_runners(model, args.context, args.compile, max(args.widths))
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}" + (" int8 weights" if args.int8 else ""))
     lean = runners["lean"]
     default = "the int8 kernel" if args.int8 else "F.linear"
     print(f"lean decoder: {lean.runner}" + (f" ({lean.why_modules})" if lean.why_modules else
                                             f"; product by width: {lean.kernels.to_dict()['by_width'] or default}"))
+    if "compiled" in runners:
+        compiled = runners["compiled"].compiled
+        print(f"compiled: buckets {compiled.sizes}, warm-up {compiled.warm_up_s:.1f} s" if compiled else
+              "compiled: the modules, with dynamic shapes")
     best = time_widths(runners, args.widths, args.context, args.rounds)
     rows = [{"runner": name, "width": w, "ms": round(best[name, w], 2),
              "vs_one_token": round(best[name, w] / best[name, args.widths[0]], 3)}

@@ -98,3 +98,5 @@ __getattr__
 # The public greedy accept rule (DESIGN.md's interface, exported by pipeline/speculative through __getattr__); the
 # batching engine inlines the same rule over its whole batch.
 accept_greedy
+# The count of dynamo's compiled graphs: the tests hold it still after a compiled decoder's warm-up.
+compiled_graphs

@@ -123,7 +123,8 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
                                                    acceptance=config.speculative.acceptance,
                                                    method=config.speculative.method,
                                                    quantization=config.build.quantization.mode,
-                                                   draft_quantization=config.build.quantization.draft_mode)
+                                                   draft_quantization=config.build.quantization.draft_mode,
+                                                   compile=config.runtime.torch_compile)
     return executor, f"model folders {target.parent}"
 
 

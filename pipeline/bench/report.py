@@ -34,8 +34,17 @@ def runner_info(executor) -> dict | None:
         return None
     runners = (("target", executor.target), ("draft", getattr(executor, "draft", None)))
     return {role: {"runner": r.runner, "why_not_lean": r.why_modules,
-                   "kernels": r.kernels.to_dict() if r.kernels is not None else None}
+                   "kernels": r.kernels.to_dict() if r.kernels is not None else None,
+                   "compiled": _compiled(r)}
             for role, r in runners if r is not None}
+
+
+def _compiled(runner) -> dict | None:
+    """The lean decoder's compiled buckets and warm-up time (runtime.torch_compile), or None when it runs eager."""
+    compiled = getattr(runner, "compiled", None)
+    if compiled is None:
+        return None
+    return {"buckets": compiled.sizes, "warm_up_s": round(compiled.warm_up_s, 1), "eager_calls": compiled.eager_calls}
 
 
 def runner_lines(info: dict | None) -> list[str]:
@@ -44,6 +53,9 @@ def runner_lines(info: dict | None) -> list[str]:
     for role, facts in (info or {}).items():
         kernels = (facts["kernels"] or {}).get("by_width") or {}
         products = ", ".join(f"{width}: {kind}" for width, kind in kernels.items()) or "F.linear at every width"
+        compiled = facts.get("compiled")
+        if compiled:
+            products = f"compiled per width bucket {compiled['buckets']} (warm-up {compiled['warm_up_s']} s)"
         lines.append(f"{role} runner: {facts['runner']}" + (f" ({facts['why_not_lean']})" if facts["why_not_lean"]
                                                            else f"; matrix product by forward width: {products}"))
     return lines

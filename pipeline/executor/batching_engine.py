@@ -86,7 +86,7 @@ class _Computed:
 class BatchingEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
                  engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
-                 compile: bool = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
+                 compile: bool | str = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
                  kv: KVSettings | None = None):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
         drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
@@ -102,9 +102,14 @@ class BatchingEngine:
         self.max_len = max_tokens
         max_blocks = self.kv.max_blocks(max_batch, max_tokens, self.spare)
 
+        # Compiled widths: up to every row's verify at once. Each compiled width holds its own packed copy of the
+        # weights, and a wider forward is a prompt chunk, whose cost is its arithmetic: those run eager.
+        max_width = max_batch * self.spare
+
         def runner(model):
             return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,
-                                    self.kv.prefix_reuse, compile)
+                                    self.kv.prefix_reuse, bool(compile), max_width=max_width,
+                                    autotune=compile == "max-autotune")
 
         self.target = runner(target_model)
         self.draft = runner(draft_model) if draft_model is not None else None

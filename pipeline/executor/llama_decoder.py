@@ -23,7 +23,7 @@ from ..decoder_support import unsupported_config
 from ..quantize import Int8WeightOnlyLinear
 from . import matmul_choice
 from .matmul_choice import KernelPlan, product
-from .paged_attention import ForwardPlan, attend
+from . import paged_attention  # noqa: F401  (registers torch.ops.specpipe.paged_attention)
 
 MATRIX_TYPES = {nn.Linear, Int8WeightOnlyLinear}
 
@@ -103,20 +103,36 @@ def _matrix(linear) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
     return linear.weight.detach(), linear.bias
 
 
-class _Layer:
+def _constant(module: nn.Module, name: str, tensor: Tensor | None) -> None:
+    """``tensor`` as a parameter that takes no gradient: inductor's freezing folds parameters into the compiled
+    graph as constants (buffers stay graph inputs)."""
+    module.register_parameter(name, None if tensor is None else nn.Parameter(tensor, requires_grad=False))
+
+
+class _Layer(nn.Module):
+    """One decoder layer's weights (as parameters: see _constant)."""
+
     def __init__(self, layer):
+        super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self.qkv, self.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.o, self.o_bias = _matrix(attn.o_proj)
-        self.gate_up, self.gate_up_bias = _fuse([mlp.gate_proj, mlp.up_proj])
-        self.down, self.down_bias = _matrix(mlp.down_proj)
-        self.norm1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
-        self.norm2, self.eps2 = layer.post_attention_layernorm.weight.detach(), \
-            layer.post_attention_layernorm.variance_epsilon
+        self._weight("qkv", *_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
+        self._weight("o", *_matrix(attn.o_proj))
+        self._weight("gate_up", *_fuse([mlp.gate_proj, mlp.up_proj]))
+        self._weight("down", *_matrix(mlp.down_proj))
+        _constant(self, "norm1", layer.input_layernorm.weight.detach())
+        _constant(self, "norm2", layer.post_attention_layernorm.weight.detach())
+        self.eps1, self.eps2 = layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon
         self.scaling = attn.scaling
         self.q_width = attn.q_proj.out_features
         self.kv_width = attn.k_proj.out_features
         self.intermediate = mlp.gate_proj.out_features
+
+    def _weight(self, name: str, weight, bias: Tensor | None) -> None:
+        if isinstance(weight, nn.Module):  # an int8 layer: a submodule with its own buffers
+            setattr(self, name, weight)
+        else:
+            _constant(self, name, weight)
+        _constant(self, f"{name}_bias", None if bias is None else bias.detach())
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -133,8 +149,9 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-class LlamaDecoder:
-    """The decoder of a loaded Llama-family causal LM (see the module docstring); call it with one packed forward."""
+class LlamaDecoder(nn.Module):
+    """The decoder of a loaded Llama-family causal LM (see the module docstring); call it with one packed forward
+    inside ``paged_attention.active(plan, cache)``."""
 
     def __init__(self, model, max_positions: int, kernels: KernelPlan | None = None):
         """``kernels``: the matrix product per forward width; left out, measured over the model's weights (a
@@ -142,18 +159,26 @@ class LlamaDecoder:
         reason = unsupported(model, max_positions)
         if reason is not None:
             raise ValueError(f"the lean decoder cannot run this model: {reason}")
+        super().__init__()
         config, body = model.config, model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
-        self.embed = body.embed_tokens.weight.detach()
-        self.layers = [_Layer(layer) for layer in body.layers]
-        self.norm, self.eps = body.norm.weight.detach(), body.norm.variance_epsilon
-        self.lm_head, self.lm_head_bias = _matrix(model.lm_head)
+        _constant(self, "embed", body.embed_tokens.weight.detach())
+        self.layers = nn.ModuleList(_Layer(layer) for layer in body.layers)
+        _constant(self, "norm", body.norm.weight.detach())
+        self.eps = body.norm.variance_epsilon
+        lm_head, lm_head_bias = _matrix(model.lm_head)
+        if isinstance(lm_head, nn.Module):
+            self.lm_head = lm_head
+        else:
+            _constant(self, "lm_head", lm_head)
+        _constant(self, "lm_head_bias", lm_head_bias)
         with torch.inference_mode():
             positions = torch.arange(max_positions, device=self.embed.device)[None]
             cos, sin = body.rotary_emb(self.embed[:1], positions)  # [1, P, d] in the model's dtype, as HF makes it
-        self.cos, self.sin = cos[0], sin[0]
+        _constant(self, "cos", cos[0])
+        _constant(self, "sin", sin[0])
         self.kernels = kernels if kernels is not None else self._measure_kernels()
 
     def _measure_kernels(self) -> KernelPlan:
@@ -164,39 +189,41 @@ class LlamaDecoder:
             return KernelPlan()  # int8 layers have one kernel; a small model's step is not its products
         return matmul_choice.measured_once(weights)
 
-    def __call__(self, input_ids: Tensor, positions: Tensor, cache, plan: ForwardPlan, keep: Tensor,
-                 hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        """input_ids, positions [T] (packed); ``cache`` a PagedKVCache prepared for this forward (its write slots
-        set), ``plan`` its attention plan; ``keep`` [K] the packed positions whose logits come back. Returns logits
-        [K, V] (and the final normed hidden states [K, d] with ``hidden``)."""
+    def forward(self, input_ids: Tensor, positions: Tensor, keep: Tensor,
+                hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        """input_ids, positions [T] (packed, the active plan's tokens then any padding); ``keep`` [K] the packed
+        positions whose logits come back. Returns logits [K, V] (and the final normed hidden states [K, d] with
+        ``hidden``)."""
+        final = self.final(self.body(input_ids, positions), keep)
+        logits = self.head(final)
+        return (logits, final) if hidden else logits
+
+    def body(self, input_ids: Tensor, positions: Tensor) -> Tensor:
+        """The residual stream after the last layer, [T, d]."""
         x = self.embed[input_ids]  # [T, d]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
         kind = self.kernels.kind(x.shape[0])
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, cache, plan, kind)
+            x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, kind)
             h = product(kind, rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
             gate, up = h.split(layer.intermediate, dim=-1)
             x = x + product(kind, F.silu(gate) * up, layer.down, layer.down_bias)
-        final = rms_norm(x[keep], self.norm, self.eps)  # the LM head runs only where someone reads the logits
-        logits = product(self.kernels.kind(final.shape[0]), final, self.lm_head, self.lm_head_bias)
-        return (logits, final) if hidden else logits
+        return x
 
-    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, cache,
-                   plan: ForwardPlan, kind: str) -> Tensor:
+    def final(self, x: Tensor, keep: Tensor) -> Tensor:
+        """The final normed hidden states of the ``keep`` positions [K, d]: the LM head runs only where someone
+        reads the logits."""
+        return rms_norm(x[keep], self.norm, self.eps)
+
+    def head(self, final: Tensor) -> Tensor:
+        return product(self.kernels.kind(final.shape[0]), final, self.lm_head, self.lm_head_bias)
+
+    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kind: str) -> Tensor:
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
         q = _rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
         k = _rotate(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
-        out = _paged(index, q, k, v, cache, plan, layer.scaling)  # [1, T, heads, d]
+        out = torch.ops.specpipe.paged_attention(q, k, v, index, layer.scaling)  # [T, heads, d]
         return product(kind, out.reshape(tokens, self.heads * self.head_dim), layer.o, layer.o_bias)
-
-
-# The cache write and the attention read Python bookkeeping (the plan's groups, the pools' growth): torch.compile
-# runs them as they are and compiles what lies between them.
-@torch.compiler.disable
-def _paged(index: int, q: Tensor, k: Tensor, v: Tensor, cache, plan: ForwardPlan, scaling: float) -> Tensor:
-    # The cache takes [1, kv_heads, T, d] (the Hugging Face layout) and returns the layer's block pools.
-    keys, values = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], index)
-    return attend(plan, q.transpose(0, 1)[None], keys, values, scaling)

@@ -16,6 +16,7 @@ from torch import Tensor
 
 from ..decoder_support import LEAN, MODULES
 from . import llama_decoder, paged_attention
+from .compiled_decoder import CompiledDecoder
 from .paged_kv_cache import PagedKVCache
 
 
@@ -29,10 +30,13 @@ def use_paged_attention(model) -> None:
 
 class BatchModelRunner:
     def __init__(self, model, device: str | torch.device, max_tokens: int, block_size: int, max_blocks: int,
-                 reuse: bool = True, compile: bool = False, lean: bool = True):
+                 reuse: bool = True, compile: bool = False, lean: bool = True, max_width: int = 256,
+                 autotune: bool = False):
         """``max_tokens``: positions one sequence may hold; ``max_blocks`` blocks of ``block_size`` tokens: the
         KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests; ``lean``: run a
-        Llama-family model on the lean decoder (False: always through the Hugging Face modules)."""
+        Llama-family model on the lean decoder (False: always through the Hugging Face modules); ``compile``:
+        the lean decoder compiled per width bucket up to ``max_width`` tokens, every bucket at construction
+        (compiled_decoder.py; ``autotune``: max-autotune), the Hugging Face modules compiled with dynamic shapes."""
         self.model = model
         self.device = torch.device(device)
         use_paged_attention(model)
@@ -41,7 +45,7 @@ class BatchModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._trim_logits = "logits_to_keep" in params
         self.dtype = next(model.parameters()).dtype
-        self.cache = PagedKVCache(block_size, max_blocks, max_tokens, reuse)
+        self.cache = PagedKVCache(block_size, max_blocks, max_tokens, reuse, preallocate=compile)
         # A prepared 4D mask makes transformers skip its own mask building; the plan carries the real masks.
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
         self.why_modules = llama_decoder.unsupported(model, max_tokens) if lean else "the lean decoder is off"
@@ -49,9 +53,16 @@ class BatchModelRunner:
         self.runner = LEAN if self._decoder is not None else MODULES
         # The matrix product per forward width (lean decoder only; see matmul_choice), for bench and tests.
         self.kernels = self._decoder.kernels if self._decoder is not None else None
-        self._plan = None
-        call = self._call if self._decoder is None else self._call_lean
-        self._forward = torch.compile(call, dynamic=True) if compile else call
+        self.compiled: CompiledDecoder | None = None
+        if self._decoder is not None and compile:
+            with torch.inference_mode():
+                self.compiled = CompiledDecoder(self._decoder, max_width, autotune=autotune)
+                self.compiled.warm_up()
+        if self._decoder is None:
+            self._forward = torch.compile(self._call, dynamic=True) if compile else self._call
+        else:
+            self._forward = self._call_lean
+        self._lean = self.compiled if self.compiled is not None else self._decoder
 
     def length(self, seq) -> int:
         return self.cache.length(seq)
@@ -70,7 +81,7 @@ class BatchModelRunner:
 
     def _call_lean(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor,
                    hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        return self._decoder(input_ids[0], position_ids[0], self.cache, self._plan, keep, hidden)
+        return self._lean(input_ids[0], position_ids[0], keep, hidden)
 
     @torch.inference_mode()
     def forward(self, seqs: list, rows: list[list[int]], logits_for: list[int] | None = None,
@@ -95,8 +106,7 @@ class BatchModelRunner:
         # Packed index of every position whose logits come back, and where each lands in the [rows, width] layout.
         keep = [end - want + i for end, want in zip(ends, logits_for) for i in range(want)]
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self._plan = plan  # the lean decoder's; the Hugging Face modules find it through paged_attention.active
-        with paged_attention.active(plan):
+        with paged_attention.active(plan, self.cache):
             out = self._forward(input_ids, position_ids, keep_t, hidden)
         for seq, count in zip(seqs, counts):
             self.cache.advance(seq, count)

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 def open_executor(root: str | Path, config: PipelineConfig | None = None, *, device: str | None = None,
-                  compile: bool | None = None, adaptive_draft_len: bool = False, method: str | None = None,
+                  compile: bool | str | None = None, adaptive_draft_len: bool = False, method: str | None = None,
                   ngram: NgramSettings | None = None, kv: KVSettings | None = None) -> ExecutorBase:
     """The executor on the engines under ``root`` (engines/<name>), of the backend that built them: a
     SpeculativeExecutor for torch engines, a TrtllmSpeculativeExecutor for TensorRT-LLM ones.
@@ -52,5 +52,5 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
     if config is not None:
         device = device or (None if config.runtime.device == "auto" else config.runtime.device)
         compile = config.runtime.torch_compile if compile is None else compile
-    return SpeculativeExecutor.from_engines(root, device=device, compile=bool(compile),
+    return SpeculativeExecutor.from_engines(root, device=device, compile=compile or False,
                                             adaptive_draft_len=adaptive_draft_len, method=method, ngram=ngram, kv=kv)

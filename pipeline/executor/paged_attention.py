@@ -9,6 +9,13 @@ its own, so nobody pays for a neighbour's width.
 
 Registered under ATTENTION_NAME; while no plan is active (the same model used outside the engine, e.g. by
 ``model.generate``) it is plain SDPA.
+
+The lean decoder calls the same attention as one opaque operator, ``torch.ops.specpipe.paged_attention``, that
+writes a layer's new KV and attends: a compiler sees a tensor in and a tensor out and never traces the plan (rows,
+block tables, masks vary every step; the compiled graph around them need not). The operator reads the step's
+cache and plan from ``active``, as vLLM's attention operator reads its forward context. Its inputs may carry
+padding past the plan's tokens (a compiled forward runs at a fixed bucket width): the padding writes no KV and its
+outputs are zeros.
 """
 
 from __future__ import annotations
@@ -50,13 +57,36 @@ _active = threading.local()
 
 
 @contextmanager
-def active(plan: ForwardPlan):
-    """Route attention through ``plan`` for the forwards in this block (this thread only)."""
-    _active.plan = plan
+def active(plan: ForwardPlan, cache=None):
+    """Route attention through ``plan`` for the forwards in this block (this thread only); ``cache`` (a
+    PagedKVCache prepared for the plan) is the one the ``specpipe::paged_attention`` operator writes and reads."""
+    _active.plan, _active.cache = plan, cache
     try:
         yield
     finally:
-        _active.plan = None
+        _active.plan = _active.cache = None
+
+
+@torch.library.custom_op("specpipe::paged_attention", mutates_args=())
+def paged_attention_op(query: Tensor, key: Tensor, value: Tensor, layer: int, scaling: float) -> Tensor:
+    """query [W, heads, d], key/value [W, kv_heads, d] for the active plan's T <= W packed tokens (the rest is
+    padding): writes the T tokens' KV into ``layer``'s pools, attends, and returns [W, heads, d]."""
+    plan, cache = getattr(_active, "plan", None), getattr(_active, "cache", None)
+    if plan is None or (cache is None and plan.tokens):
+        raise RuntimeError("specpipe::paged_attention runs only inside paged_attention.active(plan, cache)")
+    tokens, width = plan.tokens, query.shape[0]
+    if tokens == 0:  # a compile warm-up: nothing to write or read
+        return query.new_zeros(query.shape)
+    keys, values = cache.update(key[:tokens].transpose(0, 1)[None], value[:tokens].transpose(0, 1)[None], layer)
+    out = attend(plan, query[:tokens].transpose(0, 1)[None], keys, values, scaling)[0]  # [T, heads, d]
+    if tokens == width:
+        return out  # attend's result is new memory: an operator's output may not alias its inputs
+    return torch.cat([out, out.new_zeros(width - tokens, *out.shape[1:])])
+
+
+@paged_attention_op.register_fake
+def _(query: Tensor, key: Tensor, value: Tensor, layer: int, scaling: float) -> Tensor:
+    return torch.empty_like(query)
 
 
 def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,

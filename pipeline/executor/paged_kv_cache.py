@@ -44,8 +44,9 @@ class _PagedLayer:
     def _grow(self, like: Tensor) -> None:
         pool = self.owner.pool
         old = 0 if self.keys is None else self.keys.shape[0]
-        # Doubling keeps growth copies rare; the pool's limit bounds the memory.
-        blocks = min(pool.max_blocks, max(pool.capacity, 2 * old, 8))
+        # Doubling keeps growth copies rare; the pool's limit bounds the memory. Preallocated, the pools never move
+        # (what a captured graph needs), at the price of holding the whole limit from the first forward.
+        blocks = pool.max_blocks if self.owner.preallocate else min(pool.max_blocks, max(pool.capacity, 2 * old, 8))
         shape = (blocks, pool.block_size, like.shape[1], like.shape[3])
         keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
         values = torch.zeros(shape, dtype=like.dtype, device=like.device)
@@ -64,8 +65,11 @@ class _PagedLayer:
 class PagedKVCache(Cache):
     """KV for the sequences the engine runs, in ``block_size``-token blocks, at most ``max_blocks`` of them."""
 
-    def __init__(self, block_size: int, max_blocks: int, max_len: int, reuse: bool = True):
+    def __init__(self, block_size: int, max_blocks: int, max_len: int, reuse: bool = True,
+                 preallocate: bool = False):
+        """``preallocate``: each layer's pools hold ``max_blocks`` from the first forward on (else they grow)."""
         super().__init__(layers=[])
+        self.preallocate = preallocate
         self.pool = BlockPool(block_size, max_blocks, reuse)
         self.max_len = max_len  # positions one sequence may hold
         self.lengths: dict[object, int] = {}  # sequence -> tokens whose KV is in its blocks

@@ -35,13 +35,14 @@ class SpeculativeExecutor(ExecutorBase):
     def __init__(self, target_model, draft_model, tokenizer, max_draft_len: int = 4, device: str = "cpu",
                  acceptance: str = "rejection", max_seq_len: int | None = None, max_input_len: int | None = None,
                  engine_draft_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
-                 adaptive_draft_len: bool = False, compile: bool = False, method: str = Method.DRAFT_MODEL,
+                 adaptive_draft_len: bool = False, compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
                  kv: KVSettings | None = None):
         """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
         for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
         wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
-        (serving; results never depend on it); ``compile``: torch.compile the forwards (first calls are slow);
+        (serving; results never depend on it); ``compile``: torch.compile the forwards (True or "max-autotune",
+        as runtime.torch_compile);
         ``method``: who proposes draft tokens, "draft_model", "ngram" (lookup in the prompt and generated text;
         ``draft_model`` may be None) or "ngram+draft" (per step, whichever promises more tokens per unit of cost) or
         "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
@@ -100,7 +101,7 @@ class SpeculativeExecutor(ExecutorBase):
     def from_pretrained(cls, target, draft, max_draft_len: int = 4, device: str = "cpu", dtype: str = "float32",
                         acceptance: str = "rejection", trust_remote_code: bool = False, tokenizer=None,
                         max_seq_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
-                        compile: bool = False, method: str = Method.DRAFT_MODEL,
+                        compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                         ngram: NgramSettings | None = None, draft_dtype: str | None = None, medusa=None,
                         medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None, quantization: str = "none",
                         draft_quantization: str = "none") -> SpeculativeExecutor:
@@ -130,7 +131,7 @@ class SpeculativeExecutor(ExecutorBase):
                    medusa_choices=medusa_choices, kv=kv)
 
     @classmethod
-    def from_engines(cls, path: str | Path, device: str | None = None, compile: bool = False,
+    def from_engines(cls, path: str | Path, device: str | None = None, compile: bool | str = False,
                      adaptive_draft_len: bool = False, method: str | None = None,
                      ngram: NgramSettings | None = None, kv: KVSettings | None = None) -> SpeculativeExecutor:
         """Load the torch engines built for one config: ``engines/<name>`` (target/build, and draft/build when the

@@ -77,3 +77,6 @@ def test_runner_lines_say_the_runner_and_the_product_per_width():
         "target runner: lean; matrix product by forward width: 1: linear, 2: w_xt",
         "draft runner: hf-modules (model_type 'gpt2' is not one of llama, mistral, qwen2)"]
     assert runner_lines(None) == []
+    info["target"]["compiled"] = {"buckets": [1, 2, 4], "warm_up_s": 12.5, "eager_calls": 0}
+    assert runner_lines(info)[0] == \
+        "target runner: lean; matrix product by forward width: compiled per width bucket [1, 2, 4] (warm-up 12.5 s)"

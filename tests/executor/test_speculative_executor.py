@@ -85,6 +85,8 @@ def test_compiled_executor_matches_eager(pair, reference):
     ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, compile=True)
     results = ex.generate(PROMPTS[:2], max_new_tokens=40)
     assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS[:2]]
+    # on the lean decoder's bucket graphs, every target forward inside them
+    assert ex.target.compiled is not None and ex.target.compiled.eager_calls == 0
 
 
 def test_target_only_is_plain_decoding(pair, reference):

@@ -11,17 +11,18 @@ import pytest
 from tests.conftest import REPO
 
 
-@pytest.mark.slow  # three model loads in subprocesses: about 20 s on 2 cores
+@pytest.mark.slow  # three model loads in subprocesses and a compile: about 40 s on 2 cores
 def test_the_table_has_both_runners_at_every_width(tiny_pair, tmp_path):
     out = tmp_path / "cost.json"
     result = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--widths", "1", "3",
-                             "--rounds", "1", "--context", "20", "--threads", "1", "--json", str(out)], cwd=REPO,
-                            capture_output=True, text=True, timeout=300)
+                             "--rounds", "1", "--context", "20", "--threads", "1", "--compile", "--json", str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("CPU: ") and "lean decoder: lean" in result.stdout
+    assert "compiled: buckets [1, 2, 4], warm-up" in result.stdout
     table = json.loads(out.read_text())
     assert [(row["runner"], row["width"]) for row in table["rows"]] == [
-        ("hf-modules", 1), ("hf-modules", 3), ("lean", 1), ("lean", 3)]
+        ("hf-modules", 1), ("hf-modules", 3), ("lean", 1), ("lean", 3), ("compiled", 1), ("compiled", 3)]
     assert all(row["ms"] > 0 for row in table["rows"]) and table["rows"][0]["vs_one_token"] == 1.0
     int8 = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--int8", "--dtype",
                            "bfloat16", "--widths", "2", "--rounds", "1", "--context", "20", "--threads", "1"],
