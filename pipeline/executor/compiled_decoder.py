@@ -79,25 +79,30 @@ class CompiledDecoder:
                 paged_attention.active(paged_attention.ForwardPlan([], 0), None):
             for size in self.sizes:
                 ids, positions = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(2))
-                self._final(self._body(ids, positions)[positions])  # two tensors: dynamo guards on aliasing
+                self._final(self._body(ids, positions)[0][positions])  # two tensors: dynamo guards on aliasing
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
 
     def __call__(self, input_ids: Tensor, positions: Tensor, keep: Tensor,
                  hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+        logits, final, _ = self.step(input_ids, positions, keep)
+        return (logits, final) if hidden else logits
+
+    def step(self, input_ids: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """As LlamaDecoder.step, through the bucket graphs."""
         tokens, kept = input_ids.shape[0], keep.shape[0]
-        if tokens > self.sizes[-1]:  # wider than any step the engine schedules (a draft catching up a prompt)
+        if tokens > self.sizes[-1]:  # a prompt chunk wider than every row's verify
             self.eager_calls += 1
-            return self.decoder(input_ids, positions, keep, hidden)
+            return self.decoder.step(input_ids, positions, keep)
         width, kept_width = bucket(tokens, self.sizes), bucket(max(kept, 1), self.sizes)
         if width > tokens:
             pad = input_ids.new_zeros(width - tokens)
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
         if kept_width > kept:
             keep = torch.cat([keep, keep.new_zeros(kept_width - kept)])
-        logits, final = self._final(self._body(input_ids, positions)[keep])
-        logits, final = logits[:kept], final[:kept]
-        return (logits, final) if hidden else logits
+        x, aux = self._body(input_ids, positions)
+        logits, final = self._final(x[keep])
+        return logits[:kept], final[:kept], None if aux is None else aux[:tokens]
 
 
 def compiled_graphs() -> int:

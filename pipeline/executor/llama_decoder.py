@@ -153,13 +153,15 @@ class LlamaDecoder(nn.Module):
     """The decoder of a loaded Llama-family causal LM (see the module docstring); call it with one packed forward
     inside ``paged_attention.active(plan, cache)``."""
 
-    def __init__(self, model, max_positions: int, kernels: KernelPlan | None = None):
+    def __init__(self, model, max_positions: int, kernels: KernelPlan | None = None, aux_layers: tuple = ()):
         """``kernels``: the matrix product per forward width; left out, measured over the model's weights (a
-        model under matmul_choice.MIN_BYTES uses F.linear throughout)."""
+        model under matmul_choice.MIN_BYTES uses F.linear throughout). ``aux_layers``: decoder layers whose
+        outputs (the residual stream after them) every forward also returns, for every token (see step)."""
         reason = unsupported(model, max_positions)
         if reason is not None:
             raise ValueError(f"the lean decoder cannot run this model: {reason}")
         super().__init__()
+        self.aux_layers = tuple(aux_layers)
         config, body = model.config, model.model
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
@@ -194,21 +196,31 @@ class LlamaDecoder(nn.Module):
         """input_ids, positions [T] (packed, the active plan's tokens then any padding); ``keep`` [K] the packed
         positions whose logits come back. Returns logits [K, V] (and the final normed hidden states [K, d] with
         ``hidden``)."""
-        final = self.final(self.body(input_ids, positions), keep)
-        logits = self.head(final)
+        logits, final, _ = self.step(input_ids, positions, keep)
         return (logits, final) if hidden else logits
 
-    def body(self, input_ids: Tensor, positions: Tensor) -> Tensor:
-        """The residual stream after the last layer, [T, d]."""
+    def step(self, input_ids: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(logits [K, V], final hidden states [K, d], the aux_layers' outputs [T, len(aux_layers), d] or None)."""
+        x, aux = self.body(input_ids, positions)
+        final = self.final(x, keep)
+        return self.head(final), final, aux
+
+    def body(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
+        """The residual stream after the last layer [T, d], and after each of aux_layers [T, n, d] (or None)."""
         x = self.embed[input_ids]  # [T, d]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
         kind = self.kernels.kind(x.shape[0])
+        captured = []
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, kind)
             h = product(kind, rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
             gate, up = h.split(layer.intermediate, dim=-1)
             x = x + product(kind, F.silu(gate) * up, layer.down, layer.down_bias)
-        return x
+            if index in self.aux_layers:
+                captured.append(x)
+        aux = torch.stack([captured[sorted(self.aux_layers).index(i)] for i in self.aux_layers], dim=1) \
+            if captured else None
+        return x, aux
 
     def final(self, x: Tensor, keep: Tensor) -> Tensor:
         """The final normed hidden states of the ``keep`` positions [K, d]: the LM head runs only where someone

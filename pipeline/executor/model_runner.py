@@ -31,12 +31,14 @@ def use_paged_attention(model) -> None:
 class BatchModelRunner:
     def __init__(self, model, device: str | torch.device, max_tokens: int, block_size: int, max_blocks: int,
                  reuse: bool = True, compile: bool = False, lean: bool = True, max_width: int = 256,
-                 autotune: bool = False):
+                 autotune: bool = False, aux_layers: tuple[int, ...] = ()):
         """``max_tokens``: positions one sequence may hold; ``max_blocks`` blocks of ``block_size`` tokens: the
         KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests; ``lean``: run a
         Llama-family model on the lean decoder (False: always through the Hugging Face modules); ``compile``:
         the lean decoder compiled per width bucket up to ``max_width`` tokens, every bucket at construction
-        (compiled_decoder.py; ``autotune``: max-autotune), the Hugging Face modules compiled with dynamic shapes."""
+        (compiled_decoder.py; ``autotune``: max-autotune), the Hugging Face modules compiled with dynamic shapes.
+        ``aux_layers``: decoder layers (0-based, each below the last) whose outputs every forward also keeps for
+        every token it computes, prompt chunks included, in ``aux_hidden`` (what an EAGLE-style drafter reads)."""
         self.model = model
         self.device = torch.device(device)
         use_paged_attention(model)
@@ -48,8 +50,12 @@ class BatchModelRunner:
         self.cache = PagedKVCache(block_size, max_blocks, max_tokens, reuse, preallocate=compile)
         # A prepared 4D mask makes transformers skip its own mask building; the plan carries the real masks.
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
+        self.aux_layers = _checked_aux_layers(aux_layers, model.config.get_text_config().num_hidden_layers)
+        # Per row of the last forward: the aux_layers' outputs of its tokens [count, len(aux_layers), d]
+        self.aux_hidden: list[Tensor] | None = None
         self.why_modules = llama_decoder.unsupported(model, max_tokens) if lean else "the lean decoder is off"
-        self._decoder = llama_decoder.LlamaDecoder(model, max_tokens) if self.why_modules is None else None
+        self._decoder = llama_decoder.LlamaDecoder(model, max_tokens, aux_layers=self.aux_layers) \
+            if self.why_modules is None else None
         self.runner = LEAN if self._decoder is not None else MODULES
         # The matrix product per forward width (lean decoder only; see matmul_choice), for bench and tests.
         self.kernels = self._decoder.kernels if self._decoder is not None else None
@@ -62,26 +68,29 @@ class BatchModelRunner:
             self._forward = torch.compile(self._call, dynamic=True) if compile else self._call
         else:
             self._forward = self._call_lean
-        self._lean = self.compiled if self.compiled is not None else self._decoder
 
     def length(self, seq) -> int:
         return self.cache.length(seq)
 
     def _call(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor,
-              hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+              hidden: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
         kwargs = {self._cache_kwarg: self.cache, "use_cache": True}
         if self._trim_logits:
             kwargs["logits_to_keep"] = keep  # the LM head runs only where someone reads the logits
-        if hidden:
+        if hidden or self.aux_layers:
             kwargs["output_hidden_states"] = True
         out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=self._no_mask, **kwargs)
         logits = out.logits[0] if self._trim_logits else out.logits[0, keep]  # [kept, V]
-        # hidden_states[-1] is the final hidden state after the last norm, the one the LM head (and Medusa heads) read.
-        return (logits, out.hidden_states[-1][0, keep]) if hidden else logits
+        # hidden_states[i + 1] is layer i's output, but the last entry is the final hidden state after the last
+        # norm, the one the LM head (and Medusa heads) read.
+        states = out.hidden_states
+        aux = torch.stack([states[i + 1][0] for i in self.aux_layers], dim=1) if self.aux_layers else None
+        return logits, states[-1][0, keep] if hidden else None, aux
 
     def _call_lean(self, input_ids: Tensor, position_ids: Tensor, keep: Tensor,
-                   hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        return self._lean(input_ids[0], position_ids[0], keep, hidden)
+                   hidden: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        decoder = self.compiled if self.compiled is not None else self._decoder
+        return decoder.step(input_ids[0], position_ids[0], keep)
 
     @torch.inference_mode()
     def forward(self, seqs: list, rows: list[list[int]], logits_for: list[int] | None = None,
@@ -107,12 +116,13 @@ class BatchModelRunner:
         keep = [end - want + i for end, want in zip(ends, logits_for) for i in range(want)]
         keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
         with paged_attention.active(plan, self.cache):
-            out = self._forward(input_ids, position_ids, keep_t, hidden)
+            logits, final, aux = self._forward(input_ids, position_ids, keep_t, hidden)
         for seq, count in zip(seqs, counts):
             self.cache.advance(seq, count)
+        self.aux_hidden = list(aux.split(counts)) if aux is not None else None
         if hidden:
-            return self._unpack(out[0], logits_for, width).float(), self._unpack(out[1], logits_for, width)
-        return self._unpack(out, logits_for, width).float()
+            return self._unpack(logits, logits_for, width).float(), self._unpack(final, logits_for, width)
+        return self._unpack(logits, logits_for, width).float()
 
     @staticmethod
     def _unpack(kept: Tensor, logits_for: list[int], width: int) -> Tensor:
@@ -139,3 +149,12 @@ class BatchModelRunner:
 
     def close(self, seq) -> None:
         self.cache.close(seq)
+
+
+def _checked_aux_layers(layers, count: int) -> tuple[int, ...]:
+    layers = tuple(layers)
+    wrong = [layer for layer in layers if not isinstance(layer, int) or not 0 <= layer < count - 1]
+    if wrong or len(set(layers)) != len(layers):
+        raise ValueError(f"aux_layers: {list(layers)} must be distinct decoder layers from 0 to {count - 2} (the "
+                         f"model has {count}; the last layer's output is the final hidden state: ask for hidden)")
+    return layers

@@ -1,5 +1,5 @@
 """pipeline/executor/compiled_decoder.py: the lean decoder compiled per width bucket gives the eager decoder's
-logits and hidden states for every shape a step takes (prompt chunks beside decodes, a K sweep, batches, trees,
+logits, hidden states and middle layers' outputs for every shape a step takes (prompt chunks beside decodes, a K sweep, batches, trees,
 a forward wider than any bucket), and after the warm-up nothing compiles again."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ def test_buckets_are_powers_of_two_up_to_the_widest_forward():
 
 def _runners():
     eager = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=200, block_size=8,
-                             max_blocks=64)
+                             max_blocks=64, aux_layers=(0,))
     compiled = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=200, block_size=8,
-                                max_blocks=64, compile=True, max_width=MAX_WIDTH)
+                                max_blocks=64, compile=True, max_width=MAX_WIDTH, aux_layers=(0,))
     return eager, compiled
 
 
@@ -55,6 +55,7 @@ def test_compiled_steps_equal_eager_and_nothing_recompiles_after_warm_up(runners
     def both(seqs, rows, **kwargs):
         out = [runner.forward(seqs, rows, hidden=True, **kwargs) for runner in (eager, compiled)]
         _same(out[0], out[1], (seqs, [len(r) for r in rows], kwargs))
+        _same(eager.aux_hidden, compiled.aux_hidden, "a layer's output of every token")  # not the padding's
 
     for runner in (eager, compiled):
         for name, ids in prompt.items():

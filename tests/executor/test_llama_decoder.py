@@ -166,3 +166,35 @@ def test_int8_layers_run_fused_on_the_lean_decoder_with_the_modules_numbers():
     again, _ = _packed(BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=False),
                        ids, [4, 5])
     assert torch.equal(again, expected)  # the modules now read views of the fused int8 rows: the same numbers
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2-qkv-bias"])
+def test_aux_layers_are_every_computed_tokens_layer_output_on_both_runners(variant):
+    """What an EAGLE-style drafter reads: a middle layer's output for every token a forward computed, prompt chunks
+    included, per row of the forward, the same on both runners and equal to Hugging Face's hidden_states[i + 1]."""
+    model = VARIANTS[variant]()
+    ids, other = list(range(3, 44)), list(range(50, 63))
+    with torch.no_grad():
+        expected = model(torch.tensor([ids]), output_hidden_states=True).hidden_states[1][0]  # layer 0's output
+    for lean in (True, False):
+        runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=lean,
+                                  aux_layers=(0,))
+        assert runner.runner == (LEAN if lean else MODULES)
+        runner.open("other", other)
+        runner.open("seq", ids)
+        got = []
+        runner.forward(["other", "seq"], [other, ids[:-6]], logits_for=[1, 1])  # two prompt chunks
+        assert [a.shape for a in runner.aux_hidden] == [(len(other), 1, 64), (len(ids) - 6, 1, 64)]
+        got.append(runner.aux_hidden[1])
+        runner.forward(["seq"], [ids[-6:-1]])  # a 5-token verify
+        got.append(runner.aux_hidden[0])
+        runner.forward(["seq"], [ids[-1:]])
+        got.append(runner.aux_hidden[0])
+        assert (torch.cat(got)[:, 0] - expected).abs().max() < 1e-4, lean
+
+
+def test_aux_layers_outside_the_model_are_refused():
+    model = VARIANTS["llama"]()
+    for wrong in ((1,), (0, 0), (-1,)):  # 2 layers: the last one's output is the final hidden state
+        with pytest.raises(ValueError, match=r"aux_layers: .* must be distinct decoder layers from 0 to 0"):
+            BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, aux_layers=wrong)
