@@ -38,6 +38,12 @@ _FULL = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota 
          errno.EFBIG: "File too large"}
 
 
+def cache_root() -> Path:
+    """Where fetched and dequantized models and measured kernel plans are kept: $SPECPIPE_CACHE, else
+    ~/.cache/specpipe."""
+    return Path(os.environ.get("SPECPIPE_CACHE") or Path.home() / ".cache" / "specpipe")
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as fh:

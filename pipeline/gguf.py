@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
 
-from .artifacts import exclusive_lock, sha256_file
+from .artifacts import cache_root, exclusive_lock, sha256_file
 from .errors import ModelError
 
 # Values read per tensor by nonfinite_sample: SAMPLE_ROWS rows, evenly spaced (quantized rows dequantize whole).
@@ -147,11 +146,6 @@ def dequantize_to_folder(gguf_path: Path, out_dir: Path) -> dict:
               "tensor_types": tensor_types(gguf_path), "dequantized_to": "float32"}
     (out_dir / "source.json").write_text(json.dumps(source, indent=2) + "\n")
     return source
-
-
-def cache_root() -> Path:
-    """Where fetched and dequantized models are kept: $SPECPIPE_CACHE, else ~/.cache/specpipe."""
-    return Path(os.environ.get("SPECPIPE_CACHE") or Path.home() / ".cache" / "specpipe")
 
 
 def _folder_for(gguf_path: Path, digest: str) -> Path:

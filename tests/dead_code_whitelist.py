@@ -100,3 +100,6 @@ __getattr__
 accept_greedy
 # The count of dynamo's compiled graphs: the tests hold it still after a compiled decoder's warm-up.
 compiled_graphs
+# BatchModelRunner.aux_hidden: the chosen layers' outputs of every computed token, for an EAGLE-style drafter; the
+# tests read it, and no shipped proposer reads a target's middle layers yet.
+_.aux_hidden

@@ -152,7 +152,7 @@ def plan_from_args(binary: Path | None, ggufs: list[Path], config) -> LlamaCppPl
         if ggufs:
             raise PipelineError("--llamacpp-gguf: it needs --llamacpp PATH, the llama-bench binary that runs it")
         return None
-    from ..gguf import cache_root
+    from ..artifacts import cache_root
 
     check_binary(binary)
     files = ggufs or default_ggufs(config.target.model, config.base_dir, cache_root())

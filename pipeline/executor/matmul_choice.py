@@ -10,12 +10,19 @@ width) use ``F.linear``. Both forms compute the same product; they may round dif
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ..artifacts import cache_root
 
 KINDS = ("linear", "w_xt")
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
@@ -79,12 +86,62 @@ _PLANS: dict[tuple, KernelPlan] = {}
 
 
 def measured_once(weights: list[Tensor]) -> KernelPlan:
-    """measure(weights), once per process for matrices of the same shapes, dtype and device: a second engine of the
-    same model (a reload, a bench beside a server) reuses the plan instead of timing again."""
+    """measure(weights), once per machine for matrices of the same shapes, dtype and device: kept for this process
+    and on disk (plan_file), so a second engine of the same model, or the next start, reuses the plan instead of
+    timing again. Delete the file to measure again (say, after measuring on a busy machine)."""
     key = (weights[0].dtype, str(weights[0].device), tuple(tuple(w.shape) for w in weights))
     if key not in _PLANS:
-        _PLANS[key] = measure(weights)
+        path = plan_file(key)
+        plan = _read_plan(path)
+        if plan is None:
+            plan = measure(weights)
+            _write_plan(path, plan)
+        _PLANS[key] = plan
     return _PLANS[key]
+
+
+def plan_file(key: tuple) -> Path:
+    """Where the plan for ``key`` is kept: one file per CPU model, thread count, torch version and weight shapes
+    under cache_root()/kernel-plans (a plan measured on another CPU or thread count says nothing here)."""
+    machine = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "key": repr(key)}
+    digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:20]
+    return cache_root() / "kernel-plans" / f"{digest}.json"
+
+
+def cpu_model() -> str:
+    """The CPU's model name as /proc/cpuinfo gives it (the machine name where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def _read_plan(path: Path) -> KernelPlan | None:
+    try:
+        data = json.loads(path.read_text())
+        by_width = {int(w): kind for w, kind in data["by_width"].items()}
+        times = {(kind, int(w)): float(ms) for kind, w, ms in data["times_ms"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or unreadable: measure again
+    if not set(by_width.values()) <= set(KINDS):
+        return None
+    return KernelPlan(by_width, times)
+
+
+def _write_plan(path: Path, plan: KernelPlan) -> None:
+    data = {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
+            "times_ms": [[kind, w, ms] for (kind, w), ms in plan.times_ms.items()]}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data) + "\n")
+        os.replace(tmp, path)  # a reader sees the whole file or none
+    except OSError:
+        pass  # a read-only home: the plan still holds for this process
 
 
 def _pass(kind: str, weights: list[Tensor], inputs: dict, width: int) -> float:

@@ -43,8 +43,9 @@ def test_a_small_model_is_not_timed():
     assert matmul_choice.weight_bytes([torch.zeros(10, 10)]) == 400 < matmul_choice.MIN_BYTES
 
 
-def test_matrices_of_the_same_shapes_are_timed_once_per_process(monkeypatch):
+def test_matrices_of_the_same_shapes_are_timed_once_per_process(monkeypatch, tmp_path):
     calls = []
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
     monkeypatch.setattr(matmul_choice, "_PLANS", {})
     monkeypatch.setattr(matmul_choice, "_pass", lambda kind, weights, inputs, width: calls.append(width) or 1e-3)
     first = matmul_choice.measured_once([torch.zeros(8, 4), torch.zeros(4, 8)])
@@ -52,3 +53,36 @@ def test_matrices_of_the_same_shapes_are_timed_once_per_process(monkeypatch):
     assert matmul_choice.measured_once([torch.ones(8, 4), torch.ones(4, 8)]) is first and len(calls) == timed
     matmul_choice.measured_once([torch.zeros(8, 4, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16)])
     assert len(calls) == 2 * timed  # another dtype is timed on its own
+
+
+def test_a_plan_is_kept_on_disk_for_the_next_start_per_thread_count(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
+    costs = {("linear", w): 2.0 for w in matmul_choice.WIDTHS} | {("w_xt", w): 1.0 for w in matmul_choice.WIDTHS}
+    calls = []
+
+    def timed(kind, weights, inputs, width):
+        calls.append(width)
+        return costs[kind, width] / 1e3
+
+    monkeypatch.setattr(matmul_choice, "_pass", timed)
+    weights = [torch.zeros(8, 4), torch.zeros(4, 8)]
+    monkeypatch.setattr(matmul_choice, "_PLANS", {})
+    first = matmul_choice.measured_once(weights)
+    assert first.kind(2) == "w_xt" and calls
+    (saved,) = (tmp_path / "kernel-plans").glob("*.json")
+    calls.clear()
+    monkeypatch.setattr(matmul_choice, "_PLANS", {})  # a new process
+    again = matmul_choice.measured_once(weights)
+    assert calls == [] and again == first  # read back, not timed
+    saved.write_text("{not json")  # a damaged file is measured again and rewritten
+    monkeypatch.setattr(matmul_choice, "_PLANS", {})
+    assert matmul_choice.measured_once(weights) == first and calls
+    calls.clear()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count: its own plan
+        monkeypatch.setattr(matmul_choice, "_PLANS", {})
+        matmul_choice.measured_once(weights)
+    finally:
+        torch.set_num_threads(threads)
+    assert calls and len(list((tmp_path / "kernel-plans").glob("*.json"))) == 2
