@@ -42,7 +42,8 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     assert data["machine"]["cpu_count"] >= 1 and data["machine"]["device"] == "cpu"
     assert data["options"]["k_max"] == 4 and data["options"]["k_values"] == [1, 2, 4]
     assert data["loaded_from"].startswith("engines")
-    runner = {"runner": "lean", "why_not_lean": None, "kernels": {"by_width": {}, "ms": {}}}  # tiny: not timed
+    runner = {"runner": "lean", "why_not_lean": None, "kernels": {"by_width": {}, "ms": {}},  # tiny: not timed
+              "compiled": None}  # runtime.torch_compile is off
     assert data["runners"] == {"target": runner, "draft": runner}
     assert "target runner: lean; matrix product by forward width: F.linear at every width" in printed.out
     for record in records:
