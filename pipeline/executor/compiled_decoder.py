@@ -7,12 +7,12 @@ attention plan, which the graph never sees: attention is the opaque ``specpipe::
 paged_attention.py), and padding writes no KV. The final norm and the LM head, which run only on the positions
 whose logits are read, are a second graph per bucket of that count.
 
-With ``freeze`` the weights are folded in as constants (inductor's freezing), which is what lets its CPU kernels
-replace a single-threaded matrix-vector product; ``autotune`` (max-autotune) also times candidate kernels per
-shape, tens of seconds per bucket. Every bucket is compiled by ``warm_up`` at engine start; after it, a step never
-recompiles (``recompiles`` counts any that happen, and the tests hold it at zero). Inductor keeps its compiled code
-and autotuning results in its cache folder (TORCHINDUCTOR_CACHE_DIR), so a second start on the same machine is
-quick.
+With ``freeze`` the weights are folded in as constants (inductor's freezing) and packed for the CPU's matrix
+kernels, which is where the gain over eager comes from; each bucket's graph holds its own packed copy, so the
+compiled widths stop at the widest verify. ``autotune`` (max-autotune) also times candidate kernels per shape, tens
+of seconds per bucket. Every bucket is compiled by ``warm_up`` at engine start, again at every start (frozen
+weights keep inductor's cache from sparing it); after it, a step never recompiles (``compiled_graphs`` does not
+move, which the tests hold).
 """
 
 from __future__ import annotations
