@@ -82,11 +82,12 @@ def test_kv_blocks_released_reused_and_bounded(pair, reference, k):
 @pytest.mark.slow  # torch.compile's warm-up takes minutes on 2 cores
 def test_compiled_executor_matches_eager(pair, reference):
     target, draft, tok = pair
-    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, compile=True)
+    # one row at a time: buckets 1-8, 16 graphs to warm up (the batch is the compiled decoder test's)
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, compile=True, max_batch_size=1)
     results = ex.generate(PROMPTS[:2], max_new_tokens=40)
     assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS[:2]]
-    # on the lean decoder's bucket graphs, every target forward inside them
-    assert ex.target.compiled is not None and ex.target.compiled.eager_calls == 0
+    # on the lean decoder's bucket graphs: only a prompt's prefill chunk is wider than the widest verify (eager)
+    assert ex.target.compiled is not None and ex.target.compiled.eager_calls <= 2
 
 
 def test_target_only_is_plain_decoding(pair, reference):
