@@ -41,6 +41,7 @@ def runners():
     return _runners()
 
 
+@pytest.mark.slow  # torch.compile parity: the warm-up compiles eight graphs (about 25 s on 2 cores)
 def test_compiled_steps_equal_eager_and_nothing_recompiles_after_warm_up(runners):
     eager, compiled = runners
     assert compiled.compiled.sizes == [1, 2, 4, 8] and compiled.compiled.warm_up_s > 0
