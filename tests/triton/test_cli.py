@@ -68,9 +68,10 @@ def _post(url: str, body: bytes, timeout: float = 60, headers: dict | None = Non
         return exc.code, json.loads(exc.read() or b"{}")
 
 
-def _generate(port: int, text: str | bytes = "def f(x):", max_tokens=4, timeout: float = 60, headers=None):
+def _generate(port: int, text: str | bytes = "def f(x):", max_tokens=4, timeout: float = 60, headers=None,
+              **fields):
     text = text.decode() if isinstance(text, bytes) else text
-    body = json.dumps({"text_input": text, "max_tokens": max_tokens}).encode()
+    body = json.dumps({"text_input": text, "max_tokens": max_tokens, **fields}).encode()
     return _post(f"http://127.0.0.1:{port}/v2/models/speculative/generate", body, timeout, headers)
 
 
@@ -290,9 +291,10 @@ def test_crashed_tritonserver_is_restarted(serving):
 
 
 def _stream_until_error(grpc_port: int, first_token: threading.Event, headers: dict | None = None,
-                        go: threading.Barrier | None = None) -> str:
+                        go: threading.Barrier | None = None, draft_tokens: int | None = None) -> str:
     """A long gRPC stream: what ends it (an error text, or "finished"); ``first_token`` is set when it is running.
-    With ``go``, the request is sent when the barrier opens (the stream itself is open by then)."""
+    With ``go``, the request is sent when the barrier opens (the stream itself is open by then); ``draft_tokens``:
+    the request's num_draft_tokens."""
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -303,6 +305,9 @@ def _stream_until_error(grpc_port: int, first_token: threading.Event, headers: d
     inputs = [grpcclient.InferInput("text_input", [1, 1], "BYTES"), grpcclient.InferInput("max_tokens", [1, 1], "INT32")]
     inputs[0].set_data_from_numpy(np.array([[b"def f(x):"]], dtype=np.object_))
     inputs[1].set_data_from_numpy(np.array([[400]], dtype=np.int32))
+    if draft_tokens is not None:
+        inputs.append(grpcclient.InferInput("num_draft_tokens", [1, 1], "INT32"))
+        inputs[-1].set_data_from_numpy(np.array([[draft_tokens]], dtype=np.int32))
     if go is not None:
         go.wait(60)
     client.async_stream_infer("speculative_stream", inputs)
@@ -345,14 +350,15 @@ def test_dead_model_process_fails_requests_in_flight_then_serve_restarts_then_gi
 
     def generate():
         go.wait(60)
-        return _generate(ports["http_port"], max_tokens=400, timeout=120)
+        return _generate(ports["http_port"], max_tokens=400, timeout=120, num_draft_tokens=0)
 
-    # The three must be in the engine together when it dies (each ends in under a second): sent at once, and the
-    # engine killed as soon as all three run.
+    # The three must be in the engine together when it dies: sent at once, without drafting (one token a step, a
+    # few seconds each; drafting, the tiny pair ends them in under one), and the engine killed as soon as its
+    # occupancy gauge shows all three running.
     engine = _stubs(triton)["speculative_stream"][0]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(generate), pool.submit(generate),
-                     pool.submit(_stream_until_error, ports["grpc_port"], running, None, go)]
+                     pool.submit(_stream_until_error, ports["grpc_port"], running, None, go, 0)]
         go.wait(60)
         assert _wait_running(ports["metrics_port"], config, 3), [f.result() for f in in_flight]
         killed = time.monotonic()
