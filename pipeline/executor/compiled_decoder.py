@@ -48,7 +48,7 @@ def bucket(width: int, sizes: list[int]) -> int:
 
 
 class CompiledDecoder:
-    """Calls like LlamaDecoder (input_ids, positions [T], keep [K], hidden) and pads to the buckets."""
+    """LlamaDecoder.step through the bucket graphs: the inputs padded up to a bucket, the outputs cut back."""
 
     def __init__(self, decoder: LlamaDecoder, max_width: int, freeze: bool = True, autotune: bool = False):
         self.decoder = decoder
@@ -82,11 +82,6 @@ class CompiledDecoder:
                 self._final(self._body(ids, positions)[0][positions])  # two tensors: dynamo guards on aliasing
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
-
-    def __call__(self, input_ids: Tensor, positions: Tensor, keep: Tensor,
-                 hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
-        logits, final, _ = self.step(input_ids, positions, keep)
-        return (logits, final) if hidden else logits
 
     def step(self, input_ids: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """As LlamaDecoder.step, through the bucket graphs."""

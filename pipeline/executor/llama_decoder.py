@@ -210,16 +210,15 @@ class LlamaDecoder(nn.Module):
         x = self.embed[input_ids]  # [T, d]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
         kind = self.kernels.kind(x.shape[0])
-        captured = []
+        captured = {}
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, kind)
             h = product(kind, rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
             gate, up = h.split(layer.intermediate, dim=-1)
             x = x + product(kind, F.silu(gate) * up, layer.down, layer.down_bias)
             if index in self.aux_layers:
-                captured.append(x)
-        aux = torch.stack([captured[sorted(self.aux_layers).index(i)] for i in self.aux_layers], dim=1) \
-            if captured else None
+                captured[index] = x
+        aux = torch.stack([captured[i] for i in self.aux_layers], dim=1) if captured else None
         return x, aux
 
     def final(self, x: Tensor, keep: Tensor) -> Tensor:
