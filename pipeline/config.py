@@ -269,12 +269,19 @@ class RuntimeSpec(_Section):
     target_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the target (trtllm).")
     draft_device_ids: list[int] = Field(default_factory=lambda: [0], description="GPUs of the draft (trtllm).")
     torch_compile: bool | Literal["max-autotune"] = Field(
-        False, description="torch backend: compile the draft and target forwards with torch.compile at engine "
-                           "start. A Llama-family model (the lean decoder) gets one graph per power-of-two width "
-                           "with its weights frozen in, all compiled before the first request (seconds per graph; "
-                           "'max-autotune' also times candidate kernels, tens of seconds per graph, cached by "
-                           "inductor for the next start); any other model is compiled with dynamic shapes as its "
-                           "first requests arrive.")
+        False, description="torch backend: compile the draft and target forwards at engine start. A Llama-family "
+                           "model (the lean decoder) gets one graph per power-of-two width up to "
+                           "compile_max_width, its weights frozen in, compiled ahead of time by inductor before the "
+                           "first request (tens of seconds per graph; 'max-autotune' also times candidate kernels) "
+                           "and kept in ~/.cache/specpipe/compiled, so the next start with the same weights loads "
+                           "them in seconds; any other model is compiled with dynamic shapes as its first requests "
+                           "arrive.")
+    compile_max_width: int = Field(
+        16, ge=1, description="torch_compile on the lean decoder: the widest forward (tokens) that runs compiled; "
+                              "the buckets are the powers of two up to it (and never past every running row's "
+                              "verify). Each bucket holds its own copy of the weights in memory and in the "
+                              "compiled package on disk, so the cap trades memory for the widths a batch's verify "
+                              "reaches; wider forwards (prompt chunks, large batches) run eager.")
 
 
 class ServeSpec(_Section):

@@ -94,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
                                             f"; product by width: {lean.kernels.to_dict()['by_width'] or default}"))
     if "compiled" in runners:
         compiled = runners["compiled"].compiled
-        print(f"compiled: buckets {compiled.sizes}, warm-up {compiled.warm_up_s:.1f} s" if compiled else
+        print(f"compiled: buckets {compiled.sizes}, warm-up {compiled.warm_up_s:.1f} s ({compiled.built} graphs "
+              f"compiled, the rest loaded), ms per bucket {compiled.bucket_ms}, route {compiled.route}" if compiled else
               "compiled: the modules, with dynamic shapes")
     best = time_widths(runners, args.widths, args.context, args.rounds)
     rows = [{"runner": name, "width": w, "ms": round(best[name, w], 2),

@@ -98,8 +98,6 @@ __getattr__
 # The public greedy accept rule (DESIGN.md's interface, exported by pipeline/speculative through __getattr__); the
 # batching engine inlines the same rule over its whole batch.
 accept_greedy
-# The count of dynamo's compiled graphs: the tests hold it still after a compiled decoder's warm-up.
-compiled_graphs
 # BatchModelRunner.aux_hidden: the chosen layers' outputs of every computed token, for an EAGLE-style drafter; the
 # tests read it, and no shipped proposer reads a target's middle layers yet.
 _.aux_hidden

@@ -124,7 +124,8 @@ def open_executor(config, engines_dir: Path, k_max: int, note=print):
                                                    method=config.speculative.method,
                                                    quantization=config.build.quantization.mode,
                                                    draft_quantization=config.build.quantization.draft_mode,
-                                                   compile=config.runtime.torch_compile)
+                                                   compile=config.runtime.torch_compile,
+                                                   compile_max_width=config.runtime.compile_max_width)
     return executor, f"model folders {target.parent}"
 
 

@@ -40,11 +40,14 @@ def runner_info(executor) -> dict | None:
 
 
 def _compiled(runner) -> dict | None:
-    """The lean decoder's compiled buckets and warm-up time (runtime.torch_compile), or None when it runs eager."""
+    """The lean decoder's compiled buckets, what each measured and which bucket runs each width, the warm-up time
+    and how many graphs it compiled (the rest were loaded), or None when it runs eager (runtime.torch_compile)."""
     compiled = getattr(runner, "compiled", None)
     if compiled is None:
         return None
-    return {"buckets": compiled.sizes, "warm_up_s": round(compiled.warm_up_s, 1), "eager_calls": compiled.eager_calls}
+    return {"buckets": compiled.sizes, "bucket_ms": {str(k): v for k, v in compiled.bucket_ms.items()},
+            "route": {str(k): v for k, v in compiled.route.items()}, "warm_up_s": round(compiled.warm_up_s, 1),
+            "compiled_graphs": compiled.built, "eager_calls": compiled.eager_calls}
 
 
 def runner_lines(info: dict | None) -> list[str]:
@@ -56,6 +59,9 @@ def runner_lines(info: dict | None) -> list[str]:
         compiled = facts.get("compiled")
         if compiled:
             products = f"compiled per width bucket {compiled['buckets']} (warm-up {compiled['warm_up_s']} s)"
+            rerouted = {w: b for w, b in compiled.get("route", {}).items() if int(w) != b}
+            if rerouted:  # a bucket slower than a wider one
+                products += "; run wider: " + ", ".join(f"{w} as {b}" for w, b in rerouted.items())
         lines.append(f"{role} runner: {facts['runner']}" + (f" ({facts['why_not_lean']})" if facts["why_not_lean"]
                                                            else f"; matrix product by forward width: {products}"))
     return lines

@@ -50,6 +50,9 @@ from .scheduler import Scheduler
 from .step_batch import StepBatch
 
 
+DEFAULT_COMPILE_MAX_WIDTH = 16  # runtime.compile_max_width's default
+
+
 @dataclass
 class EngineCounters:
     """Running totals since the engine started (metrics: mean occupancy = rows / steps / max_batch)."""
@@ -87,13 +90,13 @@ class BatchingEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
                  engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
                  compile: bool | str = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
-                 kv: KVSettings | None = None):
+                 kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
         drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
         serving; a result never depends on it, see SpecRequest);
         ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``medusa``: (MedusaHeads,
         TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
-        step's token budget."""
+        step's token budget; ``compile_max_width``: with ``compile``, the widest forward that runs compiled."""
         self.device = torch.device(device)
         self.kv = kv or KVSettings()
         tree = medusa[1] if medusa is not None else None
@@ -102,17 +105,18 @@ class BatchingEngine:
         self.max_len = max_tokens
         max_blocks = self.kv.max_blocks(max_batch, max_tokens, self.spare)
 
-        # Compiled widths: up to every row's verify at once. Each compiled width holds its own packed copy of the
-        # weights, and a wider forward is a prompt chunk, whose cost is its arithmetic: those run eager.
-        max_width = max_batch * self.spare
+        # Compiled widths: up to every row's verify at once, within the cap. Each compiled width holds its own
+        # packed copy of the weights; a wider forward (a prompt chunk, a full batch's verify) runs eager.
+        max_width = min(max_batch * self.spare, compile_max_width)
 
-        def runner(model):
+        def runner(model, follow=None):
             return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,
                                     self.kv.prefix_reuse, bool(compile), max_width=max_width,
-                                    autotune=compile == "max-autotune")
+                                    autotune=compile == "max-autotune", follow=follow)
 
         self.target = runner(target_model)
-        self.draft = runner(draft_model) if draft_model is not None else None
+        # The draft's KV lives in the target's blocks: one pool, one limit, one admission decision.
+        self.draft = runner(draft_model, follow=self.target) if draft_model is not None else None
         self.max_blocks = max_blocks
         self.vocab_size = vocab_size  # ids both models have (padded embedding rows are not tokens)
         self.acceptance = acceptance
@@ -121,7 +125,10 @@ class BatchingEngine:
         self.ngram = ngram or NgramSettings()
         self.proposers: dict[str, Proposer] = build_proposers(ProposerContext(
             self.draft, vocab_size, self.device, self.ngram,
-            lambda rows, seconds: self._record("draft", rows, seconds), medusa))
+            lambda rows, seconds: self._record("draft", rows, seconds), medusa, self.target))
+        # Every runner holding KV per request: the target's, then each proposer's own (once however many share it).
+        self.runners = [self.target, *dict.fromkeys(p.kv_runner for p in self.proposers.values()
+                                                    if p.kv_runner is not None)]
         self._hidden_users = {method for method, proposer in self.proposers.items() if proposer.wants_hidden}
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
         self.policy = DraftPolicy(engine_draft_len) if adaptive_draft_len and engine_draft_len > 0 else None
@@ -199,8 +206,13 @@ class BatchingEngine:
 
     # ---- the step's parts -----------------------------------------------------------------------------------------
 
-    def _needs_draft(self, request: SpecRequest) -> bool:
-        return self.draft is not None and request.plan.max_draft_len > 0 and request.method.needs_draft_model
+    def _kv_proposer(self, request: SpecRequest) -> Proposer | None:
+        """The proposer of ``request``'s method when it keeps KV of its own per request (the draft model) and the
+        request may draft at all; None otherwise."""
+        proposer = self.proposers.get(request.method)
+        if proposer is None or proposer.kv_runner is None or request.plan.max_draft_len == 0:
+            return None
+        return proposer
 
     def _fits(self, request: SpecRequest, running: list[SpecRequest]) -> bool:
         """Admit only while every running request can still reach its longest (shared prefixes counted once per
@@ -216,8 +228,8 @@ class BatchingEngine:
         that joined beside another still prefilling the same system prompt then finds that prompt's blocks."""
         # The last prompt token stays unseen: it is the first input of the request's first decoding step.
         self.target.open(request.id, request.prompt_ids, request.cache_salt)
-        if self._needs_draft(request):
-            self.draft.open(request.id, request.prompt_ids, request.cache_salt)
+        if (proposer := self._kv_proposer(request)) is not None:  # in the target's blocks: opened after it
+            proposer.kv_runner.open(request.id, request.prompt_ids, request.cache_salt)
 
     def _prefilling(self, request: SpecRequest) -> bool:
         opened = request.id in self.target.cache.lengths
@@ -241,13 +253,15 @@ class BatchingEngine:
             chunks.append(chunk)
         return chosen, chunks
 
-    def _prefill_draft(self, prefilling: list[SpecRequest]) -> None:
-        """Bring the draft's cache of each prefilling row as far as the target's (its own prefix hits may differ),
-        in one packed draft forward."""
-        rows = [r for r in prefilling if self._needs_draft(r) and self.draft.length(r.id) < self.target.length(r.id)]
-        if rows:
-            inputs = [r.sequence[self.draft.length(r.id):self.target.length(r.id)] for r in rows]
-            self.draft.forward([r.id for r in rows], inputs, logits_for=[0] * len(rows))
+    def _catch_up(self, prefilling: list[SpecRequest]) -> None:
+        """Each proposer keeping its own KV brings it as far as the target's for the prefilling rows (its reused
+        prefix may be shorter), one call per runner for all the rows in it."""
+        by_runner: dict[BatchModelRunner, tuple[Proposer, list[SpecRequest]]] = {}
+        for request in prefilling:
+            if (proposer := self._kv_proposer(request)) is not None:
+                by_runner.setdefault(proposer.kv_runner, (proposer, []))[1].append(request)
+        for proposer, requests in by_runner.values():
+            proposer.catch_up(requests)
 
     def _propose(self, rows: list[SpecRequest], plan: dict[int, int], alone: bool = False) -> StepBatch:
         """Step 2: each row's step_draft_len (``plan``: request id -> K, decided once per step, so a row run alone
@@ -308,7 +322,7 @@ class BatchingEngine:
         self.counters.tokens += packed
         self.counters.prefill_tokens += sum(map(len, chunks))
         self.step_tokens = (self.step_tokens + [packed])[-64:]
-        self._prefill_draft(prefilling)
+        self._catch_up(prefilling)
         computed = _Computed(batch, prefilling, start, packed)
         if not decoding:
             return computed
@@ -390,8 +404,8 @@ class BatchingEngine:
                                           f"the requests beside it were not affected", exc))
 
     def _save(self, rows: list[SpecRequest]) -> _Saved:
-        runners = [r for r in (self.target, self.draft) if r is not None]
-        lengths = [(runner, request.id, runner.cache.lengths.get(request.id)) for runner in runners for request in rows]
+        lengths = [(runner, request.id, runner.cache.lengths.get(request.id)) for runner in self.runners
+                   for request in rows]
         return _Saved(lengths, [(request.generator, request.generator.get_state()) for request in rows
                                 if not request.params.greedy])
 
@@ -411,8 +425,9 @@ class BatchingEngine:
             runner.truncate(request.id, length)
 
     def _runners_of(self, request: SpecRequest) -> list[BatchModelRunner]:
-        """The runners holding a sequence for ``request`` (the draft's only when it drafts with the model)."""
-        return [r for r in (self.target, self.draft) if r is not None and request.id in r.cache.lengths]
+        """The runners holding a sequence for ``request``, the target's first (a proposer's runner only when the
+        request drafts with it)."""
+        return [r for r in self.runners if request.id in r.cache.lengths]
 
     def _accept_trees(self, batch: StepBatch, logits: torch.Tensor) -> dict[int, tuple[list[int], int, list[int]]]:
         """Tree rows one by one (trees differ in shape per row): the greedy longest path, or the lossless walk over

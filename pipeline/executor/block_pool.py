@@ -70,6 +70,9 @@ class BlockPool:
         self.capacity = 0  # blocks that exist (the KV tensors grow to match); ids are 0 .. capacity - 1
         self.free: list[int] = []  # blocks holding nothing worth keeping
         self.refs: list[int] = []  # [capacity] sequences holding each block
+        # [capacity] how many times each block was handed out fresh: a companion cache's record of what it wrote
+        # into a block holds only while the block's generation is the one it wrote in
+        self.generation: list[int] = []
         self.cached: OrderedDict[int, None] = OrderedDict()  # released hashed blocks, least recently released first
         self.hash_of: dict[int, bytes] = {}  # block -> prefix key
         self.block_of: dict[bytes, int] = {}  # prefix key -> block
@@ -142,6 +145,10 @@ class BlockPool:
             parent = key
         self._hashed[seq], self._chain[seq] = full, parent
 
+    def committed_blocks(self, seq) -> int:
+        """How many leading blocks of ``seq`` are committed (keyed, or found keyed when it opened)."""
+        return self._hashed[seq]
+
     def close(self, seq) -> None:
         """The sequence has left: release its blocks (hashed ones stay cached for later prompts)."""
         for block in reversed(self.tables.pop(seq)):  # the tail first: it is the least likely to be shared
@@ -175,6 +182,7 @@ class BlockPool:
             block = self.capacity
             self.capacity += 1
             self.refs.append(0)
+            self.generation.append(0)
         elif self.cached:
             block, _ = self.cached.popitem(last=False)
             del self.block_of[self.hash_of.pop(block)], self.content_of[block]
@@ -182,4 +190,5 @@ class BlockPool:
             raise OutOfBlocks(f"KV cache: all {self.max_blocks} blocks of {self.block_size} tokens are held by "
                               f"running requests; raise build.kv_cache.max_tokens or lower build.max_batch_size")
         self.refs[block] = 1
+        self.generation[block] += 1
         return block

@@ -1,35 +1,49 @@
-"""The lean decoder compiled by torch.compile's inductor, one graph per forward width bucket.
+"""The lean decoder compiled ahead of time by inductor (AOTInductor), one graph per forward width bucket, kept on
+disk so the next start loads them in seconds.
 
 A step's packed width T (a decode's one token per row, a verify's K + 1, a prompt chunk's many) is padded up to a
 bucket, a power of two, and each bucket runs its own static graph: the matrix products specialise to their width
 and nothing in the graph depends on the rows, their lengths or their trees. Those vary every step and live in the
 attention plan, which the graph never sees: attention is the opaque ``specpipe::paged_attention`` operator (see
-paged_attention.py), and padding writes no KV. The final norm and the LM head, which run only on the positions
-whose logits are read, are a second graph per bucket of that count.
+paged_attention.py), which the compiled code calls back into, and padding writes no KV. The final norm and the LM
+head run over as many positions as the bucket is wide (the ones whose logits are read, then repeats): at these
+widths the LM head streams its weights once whatever the count, and one graph per bucket holds one copy of them.
 
 With ``freeze`` the weights are folded in as constants (inductor's freezing) and packed for the CPU's matrix
-kernels, which is where the gain over eager comes from; each bucket's graph holds its own packed copy, so the
-compiled widths stop at the widest verify. ``autotune`` (max-autotune) also times candidate kernels per shape, tens
-of seconds per bucket. Every bucket is compiled by ``warm_up`` at engine start, again at every start (frozen
-weights keep inductor's cache from sparing it); after it, a step never recompiles (``compiled_graphs`` does not
-move, which the tests hold).
+kernels, which is where the gain over eager comes from; each bucket's graph holds its own packed copy (in memory
+and on disk), so the compiled widths stop at a cap and wider forwards run eager. ``autotune`` (max-autotune) also
+times candidate kernels per shape. Compiling a bucket of a real model takes tens of seconds, so every graph is
+exported and compiled once into a package (``.pt2``) under a folder named for everything the code depends on: the
+weights' bytes, the decoder's shapes, the compile settings, torch's version, the CPU and the thread count. The next
+start with the same key loads the packages instead (a damaged one is compiled again). Compiled code has no guards
+and never recompiles: a step runs the graph of its bucket or, wider than every bucket, the eager decoder.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
+from pathlib import Path
 
 import torch
-import torch._dynamo
+import torch._inductor
 import torch._inductor.config
-from torch import Tensor
+from torch import Tensor, nn
+from tqdm import tqdm
 
+from ..artifacts import cache_root
 from . import paged_attention
-from .llama_decoder import LlamaDecoder, rms_norm
-from .matmul_choice import KernelPlan
+from .llama_decoder import LlamaDecoder
+from .matmul_choice import KernelPlan, cpu_model
 
-
-RECOMPILE_LIMIT = 4096
+TIMING_ROUNDS = 5
+FORMAT = 1  # bumped when what a package computes changes without its key changing
+# The frozen weights go into the package as one blob beside the compiled code, not into the shared library: loaded,
+# they are then held once (inside the library they were held twice, the mapped library and the tensors made from it).
+PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False,
+                    "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 
 
 def buckets(max_width: int) -> list[int]:
@@ -47,60 +61,125 @@ def bucket(width: int, sizes: list[int]) -> int:
     raise ValueError(f"a forward of {width} tokens is wider than the widest compiled bucket ({sizes[-1]})")
 
 
+def cheapest_routes(ms: dict[int, float]) -> dict[int, int]:
+    """For each bucket width, the bucket that runs it: the cheapest of itself and the wider ones (``ms``: measured
+    milliseconds per bucket), so no width costs more than a wider one."""
+    return {size: min((other for other in ms if other >= size), key=lambda other: (ms[other], other)) for size in ms}
+
+
+def default_store() -> Path:
+    """Where compiled packages are kept unless told otherwise: cache_root()/compiled."""
+    return cache_root() / "compiled"
+
+
+class _Step(nn.Module):
+    """LlamaDecoder.step as a module (what export traces)."""
+
+    def __init__(self, decoder: LlamaDecoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def forward(self, input_ids: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        return self.decoder.step(input_ids, positions, keep)
+
+
 class CompiledDecoder:
     """LlamaDecoder.step through the bucket graphs: the inputs padded up to a bucket, the outputs cut back."""
 
-    def __init__(self, decoder: LlamaDecoder, max_width: int, freeze: bool = True, autotune: bool = False):
+    def __init__(self, decoder: LlamaDecoder, max_width: int, freeze: bool = True, autotune: bool = False,
+                 store: Path | None = None):
+        """``store``: the folder the packages are kept under (default_store() when None)."""
         self.decoder = decoder
         decoder.kernels = KernelPlan()  # inductor picks the kernels of its own graph
         self.sizes = buckets(max_width)
-        # Each bucket, of every decoder in the process (a target and its draft), is one cache entry of the same
-        # code: the default limit (8) would send the widest buckets back to eager.
-        for name in ("recompile_limit", "accumulated_recompile_limit"):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), RECOMPILE_LIMIT))
-        # Read when dynamo traces (freezing decides whether the weights are guarded as constants), so they are set
-        # around the warm-up, which compiles every graph there is.
-        self._settings = {"freezing": freeze, "max_autotune": autotune}
-        self._body = torch.compile(decoder.body, dynamic=False, fullgraph=True)
-        self._final = torch.compile(self._final_head, dynamic=False, fullgraph=True)
+        self.settings = {"freezing": freeze, "max_autotune": autotune}
+        self.store = Path(store) if store is not None else default_store()
+        self.folder: Path | None = None  # the packages of this decoder and settings (set by warm_up)
+        self._graphs: dict[int, object] = {}  # bucket width -> its loaded package
         self.warm_up_s: float | None = None
+        self.bucket_ms: dict[int, float] = {}  # each bucket's measured step at warm-up (ms, best of TIMING_ROUNDS)
+        self.route: dict[int, int] = {}  # bucket width -> the bucket whose graph runs it (see cheapest_routes)
+        self.built = 0  # buckets compiled by warm_up (the rest were loaded from the store)
         self.eager_calls = 0  # forwards wider than the widest bucket, run uncompiled
 
-    def _final_head(self, kept: Tensor) -> tuple[Tensor, Tensor]:
-        final = rms_norm(kept, self.decoder.norm, self.decoder.eps)
-        return self.decoder.head(final), final
+    def key(self) -> str:
+        """A digest of everything the compiled code depends on (the weights' bytes included: they are frozen in)."""
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        decoder = self.decoder
+        digest = hashlib.blake2b(digest_size=20)
+        digest.update(json.dumps({
+            "format": FORMAT, "torch": torch.__version__, "cpu": cpu_model(), "isa": str(pick_vec_isa()),
+            "threads": torch.get_num_threads(), "settings": self.settings, "aux_layers": list(decoder.aux_layers),
+            "heads": [decoder.heads, decoder.kv_heads, decoder.head_dim], "eps": decoder.eps,
+            "device": str(decoder.embed.device),
+        }, sort_keys=True).encode())
+        for name, tensor in decoder.state_dict().items():
+            digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+            digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+        return digest.hexdigest()
 
     def warm_up(self) -> float:
-        """Compile every bucket of both graphs (attention runs on an empty plan: nothing is written or read);
-        returns the seconds it took."""
+        """Load or compile every bucket's graph; returns the seconds it took."""
         start = time.perf_counter()
+        self.folder = self.store / self.key()
         device = self.decoder.embed.device
-        with torch._inductor.config.patch(self._settings), \
-                paged_attention.active(paged_attention.ForwardPlan([], 0), None):
-            for size in self.sizes:
-                ids, positions = (torch.zeros(size, dtype=torch.long, device=device) for _ in range(2))
-                self._final(self._body(ids, positions)[0][positions])  # two tensors: dynamo guards on aliasing
+        # silent when stderr is not a terminal (tests, logs)
+        for size in tqdm(self.sizes, desc="compiled decoder buckets", unit="graph", leave=False, disable=None):
+            example = tuple(torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
+            self._graphs[size] = self._load_or_build(size, example)
+        self._route()
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
+
+    def _route(self) -> None:
+        """Time every bucket's graph (on an empty plan: attention does nothing, the weights stream as in a step) and
+        send each width to the cheapest bucket at least as wide; a graph no width is sent to is dropped (its copy of
+        the weights with it). A kernel can be slower at one row than at two (inductor picks per shape)."""
+        device = self.decoder.embed.device
+        inputs = {size: tuple(torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
+                  for size in self.sizes}
+        best = dict.fromkeys(self.sizes, float("inf"))
+        with paged_attention.active(paged_attention.ForwardPlan([], 0), None):
+            for _ in range(TIMING_ROUNDS):  # interleaved: a busy moment slows one round of every bucket alike
+                for size in self.sizes:
+                    start = time.perf_counter()
+                    self._graphs[size](*inputs[size])
+                    best[size] = min(best[size], (time.perf_counter() - start) * 1e3)
+        self.bucket_ms = {size: round(ms, 2) for size, ms in best.items()}
+        self.route = cheapest_routes(best)
+        for size in set(self.sizes) - set(self.route.values()):
+            del self._graphs[size]
+
+    def _load_or_build(self, size: int, example: tuple) -> object:
+        path = self.folder / f"step-{size}.pt2"
+        if path.exists():
+            try:
+                return torch._inductor.aoti_load_package(str(path))
+            except Exception:  # noqa: BLE001 - a truncated or foreign file: compile it again below
+                pass
+        # Tracing runs the attention operator's fake kernel only; an empty plan keeps a real call harmless.
+        with paged_attention.active(paged_attention.ForwardPlan([], 0), None), torch.inference_mode(False):
+            program = torch.export.export(_Step(self.decoder), example, strict=False)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f".{path.stem}-{os.getpid()}.pt2")
+        torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                 inductor_configs={**self.settings, **PACKAGE_SETTINGS})
+        os.replace(partial, path)  # a reader sees the whole package or none
+        self.built += 1
+        return torch._inductor.aoti_load_package(str(path))
 
     def step(self, input_ids: Tensor, positions: Tensor, keep: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """As LlamaDecoder.step, through the bucket graphs."""
         tokens, kept = input_ids.shape[0], keep.shape[0]
-        if tokens > self.sizes[-1]:  # a prompt chunk wider than every row's verify
+        if max(tokens, kept) > self.sizes[-1]:  # a prompt chunk wider than every compiled bucket
             self.eager_calls += 1
             return self.decoder.step(input_ids, positions, keep)
-        width, kept_width = bucket(tokens, self.sizes), bucket(max(kept, 1), self.sizes)
+        width = self.route[bucket(max(tokens, kept), self.sizes)]
         if width > tokens:
             pad = input_ids.new_zeros(width - tokens)
             input_ids, positions = torch.cat([input_ids, pad]), torch.cat([positions, pad])
-        if kept_width > kept:
-            keep = torch.cat([keep, keep.new_zeros(kept_width - kept)])
-        x, aux = self._body(input_ids, positions)
-        logits, final = self._final(x[keep])
+        if width > kept:
+            keep = torch.cat([keep, keep.new_zeros(width - kept)])
+        logits, final, aux = self._graphs[width](input_ids, positions, keep)
         return logits[:kept], final[:kept], None if aux is None else aux[:tokens]
-
-
-def compiled_graphs() -> int:
-    """Graphs dynamo has compiled in this process (every bucket's first compile included): a count that does not
-    move after warm-up means no recompile."""
-    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])

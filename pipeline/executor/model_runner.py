@@ -31,14 +31,17 @@ def use_paged_attention(model) -> None:
 class BatchModelRunner:
     def __init__(self, model, device: str | torch.device, max_tokens: int, block_size: int, max_blocks: int,
                  reuse: bool = True, compile: bool = False, lean: bool = True, max_width: int = 256,
-                 autotune: bool = False, aux_layers: tuple[int, ...] = ()):
+                 autotune: bool = False, aux_layers: tuple[int, ...] = (), follow: BatchModelRunner | None = None):
         """``max_tokens``: positions one sequence may hold; ``max_blocks`` blocks of ``block_size`` tokens: the
         KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests; ``lean``: run a
         Llama-family model on the lean decoder (False: always through the Hugging Face modules); ``compile``:
         the lean decoder compiled per width bucket up to ``max_width`` tokens, every bucket at construction
         (compiled_decoder.py; ``autotune``: max-autotune), the Hugging Face modules compiled with dynamic shapes.
         ``aux_layers``: decoder layers (0-based, each below the last) whose outputs every forward also keeps for
-        every token it computes, prompt chunks included, in ``aux_hidden`` (what an EAGLE-style drafter reads)."""
+        every token it computes, prompt chunks included, in ``aux_hidden`` (what an EAGLE-style drafter reads).
+        ``follow``: the runner of the model this one drafts for; this one's KV then lives in that runner's blocks
+        (PagedKVCache.companion), a sequence is opened there first, and ``max_blocks``/``reuse`` are that
+        runner's."""
         self.model = model
         self.device = torch.device(device)
         use_paged_attention(model)
@@ -47,7 +50,8 @@ class BatchModelRunner:
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._trim_logits = "logits_to_keep" in params
         self.dtype = next(model.parameters()).dtype
-        self.cache = PagedKVCache(block_size, max_blocks, max_tokens, reuse, preallocate=compile)
+        self.cache = follow.cache.companion(preallocate=compile) if follow is not None else \
+            PagedKVCache(block_size, max_blocks, max_tokens, reuse, preallocate=compile)
         # A prepared 4D mask makes transformers skip its own mask building; the plan carries the real masks.
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
         self.aux_layers = _checked_aux_layers(aux_layers, model.config.get_text_config().num_hidden_layers)

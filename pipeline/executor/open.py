@@ -30,7 +30,7 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
     drafting method and n-gram settings are the ones the engines were built with. With ``config``, the engines must
     have been built from it (each build manifest's recorded config against this one, the models left unread; see
     built_config), and its run-time choices apply: speculative.method and speculative.ngram (a method swap rebuilds
-    nothing), runtime.device and runtime.torch_compile. Keyword arguments override both. ``device``, ``compile``,
+    nothing), runtime.device, runtime.torch_compile and runtime.compile_max_width. Keyword arguments override both. ``device``, ``compile``,
     ``adaptive_draft_len`` and ``kv`` are the torch runtime's; TensorRT-LLM engines refuse them."""
     root = Path(root)
     if config is not None:
@@ -47,10 +47,12 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
                               f"(they run on the GPUs recorded at build time and choose K per request); leave them "
                               f"out")
         return TrtllmSpeculativeExecutor.from_engines(root, method=method, ngram=ngram)
+    from .batching_engine import DEFAULT_COMPILE_MAX_WIDTH
     from .speculative_executor import SpeculativeExecutor  # torch and transformers: after the checks above
 
     if config is not None:
         device = device or (None if config.runtime.device == "auto" else config.runtime.device)
         compile = config.runtime.torch_compile if compile is None else compile
-    return SpeculativeExecutor.from_engines(root, device=device, compile=compile or False,
+    width = config.runtime.compile_max_width if config is not None else DEFAULT_COMPILE_MAX_WIDTH
+    return SpeculativeExecutor.from_engines(root, device=device, compile=compile or False, compile_max_width=width,
                                             adaptive_draft_len=adaptive_draft_len, method=method, ngram=ngram, kv=kv)

@@ -7,6 +7,14 @@ the packed forward (positions, where each new token's KV goes, the attention gro
 tokens lowers a sequence's length and trims the blocks past it; a sequence that leaves releases its blocks, with no
 copies: nobody's KV moves when a neighbour finishes.
 
+A proposer that keeps KV of its own (the draft model) keeps it in a companion cache (:meth:`PagedKVCache.companion`):
+its own layers' pools and its own lengths, but the target's block pool and block tables, so position p of a request
+is in the same block for both and one memory limit (and one admission decision) covers both. The target's cache
+owns the tables: it opens, trims, keys and releases the blocks, and the companion only follows. A reused prompt
+prefix has the target's KV; the companion's KV in those blocks is valid only where the companion itself wrote it
+since the block was last handed out (it records the block's generation when it commits), so a companion reuses the
+leading blocks it filled and computes the rest.
+
 It plugs into any Hugging Face model through the ``Cache.update`` call of every attention layer, together with
 the attention implementation in paged_attention.py that reads the pools through the plan.
 """
@@ -66,14 +74,24 @@ class PagedKVCache(Cache):
     """KV for the sequences the engine runs, in ``block_size``-token blocks, at most ``max_blocks`` of them."""
 
     def __init__(self, block_size: int, max_blocks: int, max_len: int, reuse: bool = True,
-                 preallocate: bool = False):
-        """``preallocate``: each layer's pools hold ``max_blocks`` from the first forward on (else they grow)."""
+                 preallocate: bool = False, pool: BlockPool | None = None):
+        """``preallocate``: each layer's pools hold ``max_blocks`` from the first forward on (else they grow);
+        ``pool``: another cache's block pool to follow (see companion; block_size, max_blocks and reuse are then
+        the pool's)."""
         super().__init__(layers=[])
         self.preallocate = preallocate
-        self.pool = BlockPool(block_size, max_blocks, reuse)
+        self.owns_tables = pool is None
+        self.pool = pool if pool is not None else BlockPool(block_size, max_blocks, reuse)
         self.max_len = max_len  # positions one sequence may hold
         self.lengths: dict[object, int] = {}  # sequence -> tokens whose KV is in its blocks
         self.write_slots: Tensor | None = None  # set by prepare() for the forward about to run: [T]
+        self.filled: dict[int, int] = {}  # companion: block -> its generation when this cache's KV in it was final
+
+    def companion(self, preallocate: bool = False) -> PagedKVCache:
+        """A cache for another model's KV (a draft's, with its own layer shapes) in this cache's blocks: it opens a
+        sequence only after this one has, and leaves the blocks to this cache."""
+        return PagedKVCache(self.pool.block_size, self.pool.max_blocks, self.max_len, preallocate=preallocate,
+                            pool=self.pool)
 
     # ---- the Hugging Face Cache surface models use -----------------------------------------------------------
 
@@ -90,9 +108,25 @@ class PagedKVCache(Cache):
     def open(self, seq, prompt: list[int], cache_salt: str | None = None) -> int:
         """Start a sequence that will hold ``prompt``; returns how many of its leading tokens already have KV (from
         blocks cached under the same ``cache_salt``)."""
+        if not self.owns_tables:
+            return self._open_companion(seq)
         reused = self.pool.open(seq, prompt, cache_salt)
         self.lengths[seq] = reused
         return reused
+
+    def _open_companion(self, seq) -> int:
+        """The leading blocks of the (already opened) sequence whose KV this cache wrote and that no one has been
+        handed since; their positions need no forward."""
+        if seq not in self.pool.tables:
+            raise ValueError(f"KV cache: sequence {seq!r} is not open in the cache this one follows; open it there "
+                             f"first")
+        reusable = 0
+        for block in self.pool.tables[seq][:self.pool.committed_blocks(seq)]:  # the blocks its prompt found keyed
+            if self.filled.get(block) != self.pool.generation[block]:
+                break
+            reusable += 1
+        self.lengths[seq] = reusable * self.pool.block_size
+        return self.lengths[seq]
 
     def length(self, seq) -> int:
         return self.lengths[seq]
@@ -100,14 +134,21 @@ class PagedKVCache(Cache):
     def truncate(self, seq, length: int) -> None:
         """Forget positions from ``length`` on (rejected draft tokens); blocks wholly past it are released."""
         self.lengths[seq] = min(self.lengths[seq], length)
-        self.pool.trim(seq, self.lengths[seq])
+        if self.owns_tables:
+            self.pool.trim(seq, self.lengths[seq])
 
     def commit(self, seq, tokens: list[int]) -> None:
         """``tokens`` are final at positions [0, len(tokens)): their full blocks become reusable prefixes."""
-        self.pool.commit(seq, tokens[:self.lengths[seq]])
+        if self.owns_tables:
+            self.pool.commit(seq, tokens[:self.lengths[seq]])
+            return
+        table, pool = self.pool.tables[seq], self.pool
+        for block in table[:min(len(tokens), self.lengths[seq]) // pool.block_size]:
+            self.filled[block] = pool.generation[block]
 
     def close(self, seq) -> None:
-        self.pool.close(seq)
+        if self.owns_tables:
+            self.pool.close(seq)
         del self.lengths[seq]
 
     @torch.inference_mode()  # the pools were made in inference mode; only there may they be modified

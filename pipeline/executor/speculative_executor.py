@@ -23,7 +23,7 @@ from ..quantize import quantize_model
 from ..speculative.tree import TokenTree
 from ..speculative.tree_choices import DEFAULT_TREE, tree_paths
 from .base import ExecutorBase, checked_acceptance
-from .batching_engine import BatchingEngine
+from .batching_engine import DEFAULT_COMPILE_MAX_WIDTH, BatchingEngine
 from .request import SpecRequest
 from .results import RequestError, StreamEvent
 
@@ -37,12 +37,12 @@ class SpeculativeExecutor(ExecutorBase):
                  engine_draft_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                  adaptive_draft_len: bool = False, compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
-                 kv: KVSettings | None = None):
+                 kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH):
         """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
         for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
         wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
         (serving; results never depend on it); ``compile``: torch.compile the forwards (True or "max-autotune",
-        as runtime.torch_compile);
+        as runtime.torch_compile; ``compile_max_width``: runtime.compile_max_width);
         ``method``: who proposes draft tokens, "draft_model", "ngram" (lookup in the prompt and generated text;
         ``draft_model`` may be None) or "ngram+draft" (per step, whichever promises more tokens per unit of cost) or
         "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
@@ -76,7 +76,7 @@ class SpeculativeExecutor(ExecutorBase):
             target_model, draft_model, device=self.device, max_batch=max_batch_size,
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             engine_draft_len=max(max_draft_len, engine_draft_len or 0), acceptance=acceptance,
-            adaptive_draft_len=adaptive_draft_len, compile=compile, ngram=ngram,
+            adaptive_draft_len=adaptive_draft_len, compile=compile, compile_max_width=compile_max_width, ngram=ngram,
             medusa=(medusa, tree) if medusa is not None else None, kv=kv)
 
     @property
@@ -104,7 +104,8 @@ class SpeculativeExecutor(ExecutorBase):
                         compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                         ngram: NgramSettings | None = None, draft_dtype: str | None = None, medusa=None,
                         medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None, quantization: str = "none",
-                        draft_quantization: str = "none") -> SpeculativeExecutor:
+                        draft_quantization: str = "none",
+                        compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
         ``draft`` may be None with ``method="ngram"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
@@ -128,12 +129,13 @@ class SpeculativeExecutor(ExecutorBase):
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
                    max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
-                   medusa_choices=medusa_choices, kv=kv)
+                   medusa_choices=medusa_choices, kv=kv, compile_max_width=compile_max_width)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool | str = False,
                      adaptive_draft_len: bool = False, method: str | None = None,
-                     ngram: NgramSettings | None = None, kv: KVSettings | None = None) -> SpeculativeExecutor:
+                     ngram: NgramSettings | None = None, kv: KVSettings | None = None,
+                     compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH) -> SpeculativeExecutor:
         """Load the torch engines built for one config: ``engines/<name>`` (target/build, and draft/build when the
         method drafts with a model). K, the limits and the acceptance rule are the build's (engine.json);
         ``method``, ``ngram`` and ``kv`` default to what the engines were built for.
@@ -163,7 +165,8 @@ class SpeculativeExecutor(ExecutorBase):
                    max_input_len=target_info.max_input_len, engine_draft_len=target_info.max_draft_len,
                    max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
                    compile=compile, method=method, ngram=ngram or target_info.ngram_settings(), medusa=medusa,
-                   medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings())
+                   medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings(),
+                   compile_max_width=compile_max_width)
 
     def new_request(self, *args, **kwargs) -> SpecRequest:
         request = super().new_request(*args, **kwargs)

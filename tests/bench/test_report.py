@@ -77,6 +77,9 @@ def test_runner_lines_say_the_runner_and_the_product_per_width():
         "target runner: lean; matrix product by forward width: 1: linear, 2: w_xt",
         "draft runner: hf-modules (model_type 'gpt2' is not one of llama, mistral, qwen2)"]
     assert runner_lines(None) == []
-    info["target"]["compiled"] = {"buckets": [1, 2, 4], "warm_up_s": 12.5, "eager_calls": 0}
+    info["target"]["compiled"] = {"buckets": [1, 2, 4], "warm_up_s": 12.5, "eager_calls": 0,
+                                  "route": {"1": 1, "2": 2, "4": 4}}
     assert runner_lines(info)[0] == \
         "target runner: lean; matrix product by forward width: compiled per width bucket [1, 2, 4] (warm-up 12.5 s)"
+    info["target"]["compiled"]["route"]["1"] = 2  # one row ran slower than two
+    assert runner_lines(info)[0].endswith("(warm-up 12.5 s); run wider: 1 as 2")

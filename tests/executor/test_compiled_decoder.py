@@ -1,19 +1,24 @@
 """pipeline/executor/compiled_decoder.py: the lean decoder compiled per width bucket gives the eager decoder's
-logits, hidden states and middle layers' outputs for every shape a step takes (prompt chunks beside decodes, a K sweep, batches, trees,
-a forward wider than any bucket), and after the warm-up nothing compiles again."""
+logits, hidden states and middle layers' outputs for every shape a step takes (prompt chunks beside decodes, a K
+sweep, batches, trees, a forward wider than any bucket); after the warm-up nothing compiles again, and a second
+start on the same weights loads the packages instead of compiling."""
 
 from __future__ import annotations
+
+import os
+from unittest import mock
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.executor.compiled_decoder import bucket, buckets, compiled_graphs
+from pipeline.executor.compiled_decoder import CompiledDecoder, bucket, buckets, cheapest_routes
+from pipeline.executor import paged_attention
 from pipeline.executor.model_runner import BatchModelRunner
 from pipeline.speculative.tree import TokenTree
 from tests.executor.test_llama_decoder import SIZES, _model
 
-MAX_WIDTH = 8  # buckets 1, 2, 4, 8: the warm-up compiles eight graphs per runner
+MAX_WIDTH = 8  # buckets 1, 2, 4, 8: the warm-up compiles four graphs
 
 
 def test_buckets_are_powers_of_two_up_to_the_widest_forward():
@@ -23,11 +28,17 @@ def test_buckets_are_powers_of_two_up_to_the_widest_forward():
         bucket(17, buckets(16))
 
 
-def _runners():
+def test_each_width_runs_on_the_cheapest_bucket_at_least_as_wide():
+    assert cheapest_routes({1: 5.0, 2: 4.0, 4: 6.0, 8: 5.5}) == {1: 2, 2: 2, 4: 8, 8: 8}
+    assert cheapest_routes({1: 3.0, 2: 4.0, 4: 4.0}) == {1: 1, 2: 2, 4: 4}  # a tie keeps the narrower
+
+
+def _runners(store):
     eager = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=200, block_size=8,
                              max_blocks=64, aux_layers=(0,))
-    compiled = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=200, block_size=8,
-                                max_blocks=64, compile=True, max_width=MAX_WIDTH, aux_layers=(0,))
+    with mock.patch.dict(os.environ, {"SPECPIPE_CACHE": str(store)}):
+        compiled = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=200, block_size=8,
+                                    max_blocks=64, compile=True, max_width=MAX_WIDTH, aux_layers=(0,))
     return eager, compiled
 
 
@@ -37,16 +48,18 @@ def _same(a, b, what):
 
 
 @pytest.fixture(scope="module")
-def runners():
-    return _runners()
+def runners(tmp_path_factory):
+    return _runners(tmp_path_factory.mktemp("specpipe-cache"))
 
 
-@pytest.mark.slow  # torch.compile parity: the warm-up compiles eight graphs (about 25 s on 2 cores)
-def test_compiled_steps_equal_eager_and_nothing_recompiles_after_warm_up(runners):
+@pytest.mark.slow  # compiled parity: the warm-up compiles four graphs
+def test_compiled_steps_equal_eager_and_nothing_compiles_after_warm_up(runners):
     eager, compiled = runners
-    assert compiled.compiled.sizes == [1, 2, 4, 8] and compiled.compiled.warm_up_s > 0
+    decoder = compiled.compiled
+    assert decoder.sizes == [1, 2, 4, 8] and decoder.warm_up_s > 0 and decoder.built == 4
+    assert set(decoder.bucket_ms) == set(decoder.route) == {1, 2, 4, 8}
+    assert all(decoder.route[w] >= w and decoder.bucket_ms[decoder.route[w]] <= decoder.bucket_ms[w] for w in (1, 2, 4))
     assert compiled.cache.preallocate and not eager.cache.preallocate
-    graphs = compiled_graphs()
     vocab = SIZES["vocab_size"]
     gen = torch.Generator().manual_seed(0)
     prompt = {name: torch.randint(0, vocab, (n,), generator=gen).tolist() for name, n in (("a", 11), ("b", 6),
@@ -69,5 +82,41 @@ def test_compiled_steps_equal_eager_and_nothing_recompiles_after_warm_up(runners
             runner.truncate("a", 11)
     both(["a", "b", "c"], [[1, 2, 3], [4], [5, 6]])  # a batch of three rows, 6 tokens
     both(["a", "c"], [[7, 8, 9, 10], [11]], trees=[tree, None])  # a tree beside a decode
-    assert compiled_graphs() == graphs, "a step recompiled after the warm-up"
-    assert compiled.compiled.eager_calls == 1  # only the 13-token chunk was wider than the widest bucket
+    assert decoder.built == 4, "a step compiled after the warm-up"
+    assert decoder.eager_calls == 1  # only the 13-token chunk was wider than the widest bucket
+
+
+@pytest.mark.slow  # loads the packages the test above compiled
+def test_a_second_start_loads_the_packages_and_new_weights_compile_anew(runners, tmp_path):
+    eager, compiled = runners
+    first = compiled.compiled
+    again = CompiledDecoder(first.decoder, MAX_WIDTH, store=first.store)
+    again.warm_up()
+    assert again.built == 0 and again.folder == first.folder  # everything loaded, nothing compiled
+    ids, positions = torch.tensor([3, 1, 4]), torch.tensor([0, 1, 2])
+    with torch.inference_mode():  # where the runner calls them (the pools are inference tensors)
+        with paged_attention.active(*_plan(compiled, ids)):
+            loaded = again.step(ids, positions, torch.tensor([2]))
+        with paged_attention.active(*_plan(compiled, ids)):
+            fresh = first.step(ids, positions, torch.tensor([2]))
+    _same(loaded[:2], fresh[:2], "the loaded packages compute what the compiled ones did")
+    # A damaged package is compiled again; the others still load.
+    (first.folder / "step-4.pt2").write_bytes(b"not a package")
+    damaged = CompiledDecoder(first.decoder, MAX_WIDTH, store=first.store)
+    damaged.warm_up()
+    assert damaged.built == 1
+    # Other weights (frozen into the graphs) are another key: nothing of the first decoder's is reused.
+    other = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=200, block_size=8,
+                             max_blocks=64, aux_layers=(0,))._decoder
+    with torch.no_grad():
+        other.norm.add_(0.5)
+    assert CompiledDecoder(other, MAX_WIDTH, store=first.store).key() != first.key()
+    assert CompiledDecoder(first.decoder, MAX_WIDTH, store=first.store, autotune=True).key() != first.key()
+
+
+def _plan(runner, ids):
+    """A prepared one-row forward of ``ids`` on a fresh sequence of ``runner``'s cache, rolled back after use."""
+    seq = object()
+    runner.cache.open(seq, [])
+    _, plan = runner.cache.prepare([seq], [len(ids)], "cpu", runner.dtype)
+    return plan, runner.cache

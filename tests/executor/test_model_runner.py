@@ -1,5 +1,6 @@
 """pipeline/executor/model_runner.py + paged_kv_cache.py + paged_attention.py: packed forwards over paged KV give
-Hugging Face's logits, whatever the chunking, the neighbours in the forward and the blocks a prompt reused."""
+Hugging Face's logits, whatever the chunking, the neighbours in the forward and the blocks a prompt reused; a runner
+following another (a draft's) keeps its KV in the other's blocks and reuses only what it wrote there."""
 
 from __future__ import annotations
 
@@ -121,3 +122,71 @@ def test_rows_of_equal_width_take_the_dense_path_and_match_the_gathered_one():
     gathered = runner.forward(["a", "b"], [a[4:], b[4:7]])
     assert torch.allclose(dense[0], _reference(model, a)[:4], atol=1e-4)
     assert torch.allclose(gathered[1, :3], _reference(model, b)[4:7], atol=1e-4)
+
+
+def _follower_pair(max_blocks: int = 64):
+    """A Llama target and a GPT-2 "draft" (other layers, heads and KV shapes) whose KV follows the target's blocks."""
+    leader = BatchModelRunner(_llama(), "cpu", max_tokens=200, block_size=8, max_blocks=max_blocks)
+    follower = BatchModelRunner(_gpt2(), "cpu", max_tokens=200, block_size=8, max_blocks=max_blocks, follow=leader)
+    return leader, follower
+
+
+def test_a_follower_keeps_its_kv_in_the_leaders_blocks():
+    leader, follower = _follower_pair()
+    pool = leader.cache.pool
+    assert follower.cache.pool is pool
+    system = torch.randint(0, 100, (37,), generator=torch.Generator().manual_seed(2)).tolist()
+    first = system + [5, 6, 7]
+    with pytest.raises(ValueError, match="not open in the cache this one follows"):
+        follower.open("first", first)
+    assert leader.open("first", first) == 0 and follower.open("first", first) == 0
+    leader.forward(["first"], [first[:-1]], logits_for=[0])
+    logits = follower.forward(["first"], [first[:-1]])
+    assert torch.allclose(logits[0, :len(first) - 1], _reference(follower.model, first[:-1]), atol=1e-4)
+    held = pool.held
+    # A draft runs ahead of the target (its K tokens), in the same table; rolling back is the target's business.
+    follower.forward(["first"], [[first[-1], 1, 2, 3, 4, 5, 6, 7, 8]], logits_for=[0])
+    assert pool.held == held + 1 and len(pool.tables["first"]) == held + 1
+    follower.truncate("first", len(first))
+    assert pool.held == held + 1  # the follower releases nothing
+    leader.truncate("first", len(first) - 1)
+    assert pool.held == held and follower.length("first") == len(first)  # its extra block went with the target's
+    follower.truncate("first", len(first) - 1)
+    for runner in (leader, follower):
+        runner.commit("first", first)
+    follower.close("first")
+    leader.close("first")
+    assert pool.held == 0 and "first" not in pool.tables
+    # The next prompt with the same system prompt: both reuse the blocks both filled; the follower computes the rest.
+    second = system + [9, 9]
+    assert leader.open("second", second) == 32 and follower.open("second", second) == 32
+    logits = follower.forward(["second"], [second[32:]])
+    assert torch.allclose(logits[0, :len(second) - 32], _reference(follower.model, second)[32:], atol=1e-4)
+
+
+def test_a_follower_reuses_only_blocks_it_filled_since_they_were_handed_out():
+    """Blocks the target computed alone (no draft ran there), and blocks the follower once filled that were evicted
+    and handed to another prompt, are computed again by the follower, not read stale."""
+    leader, follower = _follower_pair(max_blocks=4)
+    gen = torch.Generator().manual_seed(3)
+    a, b = (torch.randint(0, 100, (33,), generator=gen).tolist() for _ in range(2))
+    # Prompt a on both (its 4 full blocks filled by both), then released (cached).
+    for runner in (leader, follower):
+        runner.open("a", a)
+        runner.forward(["a"], [a[:-1]], logits_for=[0])
+        runner.commit("a", a)
+    follower.close("a")
+    leader.close("a")
+    # Prompt b on the target alone: its 4 blocks are a's, evicted from the cache and handed out again.
+    leader.open("b", b)
+    leader.forward(["b"], [b[:-1]], logits_for=[0])
+    leader.commit("b", b)
+    leader.close("b")
+    for name, prompt in (("b2", b), ("a2", a)):
+        reused = leader.open(name, prompt)
+        assert follower.open(name, prompt) == 0  # nothing the follower wrote is in these blocks any more
+        assert reused == (32 if prompt is b else 0)
+        logits = follower.forward([name], [prompt[:-1]])
+        assert torch.allclose(logits[0, :len(prompt) - 1], _reference(follower.model, prompt[:-1]), atol=1e-4)
+        follower.close(name)
+        leader.close(name)

@@ -79,15 +79,20 @@ def test_kv_blocks_released_reused_and_bounded(pair, reference, k):
         assert pool.capacity <= pool.max_blocks == 2 * -(-(128 + k + 1) // 4)
 
 
-@pytest.mark.slow  # torch.compile's warm-up takes minutes on 2 cores
-def test_compiled_executor_matches_eager(pair, reference):
+@pytest.mark.slow  # the compiled decoder's warm-up compiles six graphs (about a minute on 2 cores)
+def test_compiled_executor_matches_eager(pair, reference, tmp_path, monkeypatch):
     target, draft, tok = pair
-    # one row at a time: buckets 1-8, 16 graphs to warm up (the batch is the compiled decoder test's)
-    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=128, compile=True, max_batch_size=1)
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
+    # one row at a time, K = 3: every verify (4 tokens) fits the buckets the width cap leaves, 1, 2 and 4 (the
+    # batch is the compiled decoder test's)
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=3, max_seq_len=128, compile=True, max_batch_size=1,
+                             compile_max_width=4)
     results = ex.generate(PROMPTS[:2], max_new_tokens=40)
     assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS[:2]]
-    # on the lean decoder's bucket graphs: only a prompt's prefill chunk is wider than the widest verify (eager)
-    assert ex.target.compiled is not None and ex.target.compiled.eager_calls <= 2
+    for runner in (ex.target, ex.draft):
+        assert runner.compiled is not None and runner.compiled.sizes == [1, 2, 4]
+    # only a prompt's prefill chunk is wider than the widest bucket (eager)
+    assert ex.target.compiled.eager_calls <= 2
 
 
 def test_target_only_is_plain_decoding(pair, reference):

@@ -27,7 +27,7 @@ def _ngram(context: ProposerContext, built: dict) -> Proposer | None:
 
 
 def _ngram_or_draft(context: ProposerContext, built: dict) -> Proposer | None:
-    return NgramOrDraftProposer() if Method.DRAFT_MODEL in built else None
+    return NgramOrDraftProposer(built[Method.DRAFT_MODEL]) if Method.DRAFT_MODEL in built else None
 
 
 def _medusa(context: ProposerContext, built: dict) -> Proposer | None:

@@ -8,7 +8,15 @@ The engine asks proposers two things per step:
 Which proposer drafts a row is decided in one place for both executors, dispatch.choose_drafter (a chooser such as
 ngram+draft hands the row to the lookup or the draft model).
 The verifier never learns who drafted: it sees draft tokens and distributions, or a tree of candidates (Medusa).
-A proposer that keeps state per request hears of the request's end through ``release``.
+
+A proposer that keeps KV of its own per request (a draft model) names the runner holding it, ``kv_runner``: a
+BatchModelRunner whose cache follows the target's block tables (PagedKVCache.companion), so its KV lives in the
+target's block pool under the same memory limit. The engine then runs the request's sequence there through its
+whole life beside the target's: opened when the prompt's prefill starts (reusing the prefix blocks it filled
+before), brought up to the target's length after each prompt chunk (``catch_up``, the proposer's own forward),
+rolled back with the target's to the accepted length after every verify, its final blocks committed, and closed
+when the request leaves. A proposer that keeps other state per request hears of the request's end through
+``release``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ class ProposerContext:
     ngram: NgramSettings
     record_draft: Callable[[int, float], None]
     medusa: tuple | None = None  # (MedusaHeads, TokenTree) when the engine serves method medusa
+    target_runner: object | None = None  # the target's BatchModelRunner (lengths, hidden states of its forwards)
 
 
 class Proposer(ABC):
@@ -43,6 +52,7 @@ class Proposer(ABC):
     wants_hidden: bool = False  # it drafts from the target's final hidden state: see verified()
 
     verify_width = None  # a tree proposer: callable K -> tokens its verify takes at K (None: K + 1, a chain)
+    kv_runner = None  # the BatchModelRunner holding this proposer's own KV per request (None: it keeps none)
 
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
         """The most tokens this proposer would draft for ``row`` with a budget of ``k`` (0: none this step)."""
@@ -56,6 +66,10 @@ class Proposer(ABC):
         """With ``wants_hidden``: after each verify, requests of this method that it advanced and the target's final
         hidden states [len(requests), d] at the last position each one accepted (a step may hand its rows over in
         several calls)."""
+
+    def catch_up(self, requests: list) -> None:
+        """With a ``kv_runner``: after a target forward that advanced these requests' prompts, bring their KV in
+        kv_runner as far as the target's."""
 
     def release(self, request_id: int) -> None:
         """The request left the engine (finished, cancelled or failed): drop anything kept for it."""

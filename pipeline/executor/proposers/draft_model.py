@@ -18,8 +18,17 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, context: ProposerContext):
         self.runner = context.draft_runner  # a BatchModelRunner holding a sequence per request id
+        self.kv_runner = self.runner
+        self.target = context.target_runner
         self.vocab_size = context.vocab_size
         self.record = context.record_draft
+
+    def catch_up(self, requests: list) -> None:
+        """The draft's KV up to the target's for these rows, in one packed draft forward."""
+        rows = [r for r in requests if self.runner.length(r.id) < self.target.length(r.id)]
+        if rows:
+            inputs = [r.sequence[self.runner.length(r.id):self.target.length(r.id)] for r in rows]
+            self.runner.forward([r.id for r in rows], inputs, logits_for=[0] * len(rows))
 
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
         tokens: dict[int, list[int]] = {row: [] for row in rows}

@@ -55,5 +55,12 @@ class NgramOrDraftProposer(Proposer):
     method = Method.NGRAM_DRAFT
     uses_model = True  # the draft's cost bounds what the row's step can cost
 
+    def __init__(self, draft: Proposer):
+        self.draft = draft  # the draft model's proposer: its KV is the row's whichever drafts a step
+        self.kv_runner = draft.kv_runner
+
+    def catch_up(self, requests: list) -> None:
+        self.draft.catch_up(requests)
+
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
         raise AssertionError("ngram+draft hands every row to the lookup or the draft model (dispatch.choose_drafter)")
