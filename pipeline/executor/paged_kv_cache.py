@@ -184,59 +184,60 @@ class PagedKVCache(Cache):
             if start + count > self.max_len:
                 raise ValueError(f"KV cache: a sequence would exceed its {self.max_len} positions")
             self.pool.reserve(seq, start + count)
-        positions, slots = [], []
-        for seq, start, count, tree in zip(seqs, starts, counts, trees):
-            table = self.pool.tables[seq]
-            slots += [table[p // size] * size + p % size for p in range(start, start + count)]
-            own = list(range(start, start + count))
-            if tree is not None:  # node j of the tree at root + depth(j)
+        # The step's metadata as tensors, per packed token without a loop over tokens: its row, its cache position
+        # (where its KV goes), its slot in the pool through the row's block table.
+        lists = [self.pool.tables[seq] for seq in seqs]
+        width = max(map(len, lists), default=0)
+        tables = torch.tensor([table + [0] * (width - len(table)) for table in lists],
+                              dtype=torch.long).view(len(lists), width)  # [n, B]
+        counts_t, starts_t = torch.tensor(counts, dtype=torch.long), torch.tensor(starts, dtype=torch.long)
+        firsts = torch.cumsum(counts_t, 0) - counts_t  # [n] packed index of each row's first new token
+        row = torch.repeat_interleave(torch.arange(len(seqs)), counts_t)  # [T]
+        cache_pos = starts_t[row] + torch.arange(row.shape[0]) - firsts[row]  # [T]
+        self.write_slots = (tables[row, cache_pos // size] * size + cache_pos % size).to(device)
+        positions = cache_pos.clone()  # the rotary position: a tree node's is root + its depth, not its slot
+        for n, (start, count, tree) in enumerate(zip(starts, counts, trees)):
+            if tree is not None:
                 root = count - tree.size
-                own[root:] = (start + root + tree.depth).tolist()
-            positions += own
-        self.write_slots = torch.tensor(slots, dtype=torch.long, device=device)
-        groups, offset, short = [], 0, []
-        for row, count in enumerate(counts):
-            if 0 < count <= SHORT_ROW:
-                short.append((row, offset))
-            elif count:
-                groups.append(self._group(seqs, starts, counts, trees, [(row, offset)], device, dtype))
-            offset += count
+                node = int(firsts[n]) + root
+                positions[node:node + tree.size] = start + root + tree.depth
+        groups, short = [], [n for n, count in enumerate(counts) if 0 < count <= SHORT_ROW]
+        for n, count in enumerate(counts):
+            if count > SHORT_ROW:
+                groups.append(self._group(tables, starts_t, counts_t, firsts, trees, [n], device, dtype))
         if short:
-            groups.insert(0, self._group(seqs, starts, counts, trees, short, device, dtype))
-        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        return position_ids, ForwardPlan(groups, offset)
+            groups.insert(0, self._group(tables, starts_t, counts_t, firsts, trees, short, device, dtype))
+        return positions[None].to(device), ForwardPlan(groups, int(row.shape[0]))
 
-    def _group(self, seqs, starts, counts, trees, members: list[tuple[int, int]], device, dtype) -> AttentionGroup:
-        """The attention inputs of ``members`` (row, packed offset of its first new token)."""
+    def _group(self, tables: Tensor, starts: Tensor, counts: Tensor, firsts: Tensor, trees: list,
+               members: list[int], device, dtype) -> AttentionGroup:
+        """The attention inputs of the rows ``members`` (indices into the step's rows); ``tables`` [rows, B] their
+        block tables padded with block 0, ``starts``/``counts``/``firsts`` [rows] their cached lengths, new tokens
+        and packed offsets."""
         size = self.pool.block_size
-        width = max(counts[row] for row, _ in members)
-        spans = [starts[row] + counts[row] for row, _ in members]  # positions each row's tokens attend over
-        blocks = -(-max(spans) // size)
-        table = torch.zeros(len(members), blocks, dtype=torch.long)
-        for n, (row, _) in enumerate(members):
-            own = self.pool.tables[seqs[row]][:-(-spans[n] // size)]
-            table[n, :len(own)] = torch.tensor(own, dtype=torch.long)
-        counts_t = torch.tensor([counts[row] for row, _ in members])  # [n]
-        starts_t = torch.tensor([starts[row] for row, _ in members])  # [n]
+        index = torch.tensor(members, dtype=torch.long)
+        counts_m, starts_m, offsets = counts[index], starts[index], firsts[index]  # [n]
+        width = int(counts_m.max())
+        blocks = -(-int((starts_m + counts_m).max()) // size)  # what the longest member attends over
+        table = tables[index, :blocks]  # [n, blocks]: past a row's own blocks, block 0, which the mask hides
         slot = torch.arange(width)  # [W]
-        offsets = torch.tensor([offset for _, offset in members])  # [n]
-        valid = slot[None, :] < counts_t[:, None]  # [n, W]
-        query_index = offsets[:, None] + torch.minimum(slot[None, :], counts_t[:, None] - 1)
+        valid = slot[None, :] < counts_m[:, None]  # [n, W]
+        last = torch.minimum(slot[None, :], counts_m[:, None] - 1)  # a padding slot repeats the row's last token
+        query_index = offsets[:, None] + last  # [n, W]
         keys = torch.arange(blocks * size)  # [L]
         # Query slot i of a row sits at cache index start + i and sees every cached position up to its own; a
         # padding slot sees what the row's last token sees (never an empty row, which would give NaN).
-        own_index = starts_t[:, None] + torch.minimum(slot[None, :], counts_t[:, None] - 1)  # [n, W]
-        allowed = keys[None, None, :] <= own_index[:, :, None]  # [n, W, L]
-        for n, (row, _) in enumerate(members):
+        allowed = keys[None, None, :] <= (starts_m[:, None] + last)[:, :, None]  # [n, W, L]
+        for n, row in enumerate(members):
             tree = trees[row]
             if tree is not None:
-                root = counts[row] - tree.size
-                start = starts[row] + root
+                root = int(counts[row]) - tree.size
+                start = int(starts[row]) + root
                 allowed[n, root:root + tree.size, start:start + tree.size] = tree.mask
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         slots = valid.flatten().nonzero().flatten()  # [R]
-        dense = bool(valid.all()) and members[0][1] == 0 and len(members) == len(counts) and \
-            all(offset == n * width for n, (_, offset) in enumerate(members))
+        dense = bool(valid.all()) and len(members) == counts.shape[0] and \
+            bool((offsets == torch.arange(len(members)) * width).all())
         return AttentionGroup(query_index.to(device), slots.to(device), query_index.flatten()[slots].to(device),
                               table.to(device), mask[:, None].to(device), dense)
 
