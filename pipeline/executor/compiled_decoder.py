@@ -15,8 +15,10 @@ and on disk), so the compiled widths stop at a cap and wider forwards run eager.
 times candidate kernels per shape. Compiling a bucket of a real model takes tens of seconds, so every graph is
 exported and compiled once into a package (``.pt2``) under a folder named for everything the code depends on: the
 weights' bytes, the decoder's shapes, the compile settings, torch's version, the CPU and the thread count. The next
-start with the same key loads the packages instead (a damaged one is compiled again). Compiled code has no guards
-and never recompiles: a step runs the graph of its bucket or, wider than every bucket, the eager decoder.
+start with the same key loads the packages instead (a damaged one is compiled again). Then every bucket is timed
+and each width is sent to the cheapest bucket at least as wide (inductor's kernel for one row can be slower than
+its kernel for two), so no width costs more than a wider one. Compiled code has no guards and never recompiles: a
+step runs the graph its width is routed to or, wider than every bucket, the eager decoder.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from pathlib import Path
 
 import torch
 import torch._inductor
-import torch._inductor.config
 from torch import Tensor, nn
 from tqdm import tqdm
 
