@@ -22,7 +22,8 @@ if TYPE_CHECKING:
 
 def open_executor(root: str | Path, config: PipelineConfig | None = None, *, device: str | None = None,
                   compile: bool | str | None = None, adaptive_draft_len: bool = False, method: str | None = None,
-                  ngram: NgramSettings | None = None, kv: KVSettings | None = None) -> ExecutorBase:
+                  ngram: NgramSettings | None = None, kv: KVSettings | None = None,
+                  compile_max_width: int | None = None) -> ExecutorBase:
     """The executor on the engines under ``root`` (engines/<name>), of the backend that built them: a
     SpeculativeExecutor for torch engines, a TrtllmSpeculativeExecutor for TensorRT-LLM ones.
 
@@ -31,7 +32,8 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
     have been built from it (each build manifest's recorded config against this one, the models left unread; see
     built_config), and its run-time choices apply: speculative.method and speculative.ngram (a method swap rebuilds
     nothing), runtime.device, runtime.torch_compile and runtime.compile_max_width. Keyword arguments override both. ``device``, ``compile``,
-    ``adaptive_draft_len`` and ``kv`` are the torch runtime's; TensorRT-LLM engines refuse them."""
+    ``adaptive_draft_len``, ``kv`` and ``compile_max_width`` are the torch runtime's; TensorRT-LLM engines refuse
+    them."""
     root = Path(root)
     if config is not None:
         check_built_from(config, root)
@@ -41,7 +43,8 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
         from .trtllm_executor import TrtllmSpeculativeExecutor
 
         refused = [name for name, value in (("device", device), ("compile", compile),
-                                            ("adaptive_draft_len", adaptive_draft_len), ("kv", kv)) if value]
+                                            ("adaptive_draft_len", adaptive_draft_len), ("kv", kv),
+                                            ("compile_max_width", compile_max_width)) if value]
         if refused:
             raise EngineError(f"{', '.join(refused)}: torch-runtime options, but {root} holds TensorRT-LLM engines "
                               f"(they run on the GPUs recorded at build time and choose K per request); leave them "
@@ -53,6 +56,7 @@ def open_executor(root: str | Path, config: PipelineConfig | None = None, *, dev
     if config is not None:
         device = device or (None if config.runtime.device == "auto" else config.runtime.device)
         compile = config.runtime.torch_compile if compile is None else compile
-    width = config.runtime.compile_max_width if config is not None else DEFAULT_COMPILE_MAX_WIDTH
+    width = compile_max_width or (config.runtime.compile_max_width if config is not None else
+                                  DEFAULT_COMPILE_MAX_WIDTH)
     return SpeculativeExecutor.from_engines(root, device=device, compile=compile or False, compile_max_width=width,
                                             adaptive_draft_len=adaptive_draft_len, method=method, ngram=ngram, kv=kv)

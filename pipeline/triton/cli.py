@@ -23,7 +23,9 @@ def add_triton_parsers(sub, common) -> None:
 
     p = sub.add_parser("serve", help="deploy if needed, then run tritonserver on the repository until Ctrl-C")
     common(p)
-    p.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the models to load")
+    p.add_argument("--ready-timeout", type=float, default=None,
+                   help="seconds to wait for the models to load (default 300; 1800 with runtime.torch_compile, "
+                        "whose first start compiles the buckets)")
     p.add_argument("--log-file", type=Path, default=None,
                    help="server log (default: engines/<name>/triton-server.log)")
     p.add_argument("--max-restarts", type=int, default=DEFAULT_MAX_RESTARTS,
@@ -132,6 +134,9 @@ def cmd_serve(args) -> int:
     config = load_config(args.config)
     _check_serve_args(args, config)
     config = with_port_flags(config, args)
+    if args.ready_timeout is None:
+        compiles = config.backend == "torch" and config.runtime.torch_compile
+        args.ready_timeout = 1800.0 if compiles else 300.0
     fronts = None
     if config.backend == "torch":
         from ..stages import verify_engines

@@ -103,7 +103,8 @@ ENV_ALLOWED = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", 
                          "HF_HOME", "HF_HUB_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TRANSFORMERS_CACHE",
                          "TOKENIZERS_PARALLELISM", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
                          "NVIDIA_VISIBLE_DEVICES", "NVIDIA_DRIVER_CAPABILITIES", "OMP_NUM_THREADS",
-                         "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME"})
+                         "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "KMP_AFFINITY", "KMP_BLOCKTIME",
+                         "SPECPIPE_CACHE"})  # where compiled packages are kept (runtime.torch_compile)
 ENV_ALLOWED_PREFIXES = ("LC_", "TORCHINDUCTOR_", "TORCH_", "PYTORCH_", "XDG_")
 # Triton APIs that change the server rather than query or use it: log levels and files, tracing, shared-memory
 # registration (a client could have Triton read or write a region of another process), the model repository

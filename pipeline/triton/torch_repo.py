@@ -45,6 +45,8 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         "pipeline_root": PIPELINE_ROOT,
         "device": "" if config.runtime.device == "auto" else config.runtime.device,
         "adaptive_draft_len": "true",
+        "torch_compile": str(config.runtime.torch_compile).lower(),  # true, false or max-autotune
+        "compile_max_width": config.runtime.compile_max_width,
         "method": config.speculative.method,
         "ngram_min_match": config.speculative.ngram.min_match,
         "ngram_max_match": config.speculative.ngram.max_match,

@@ -49,3 +49,16 @@ def test_engines_built_from_another_config_are_refused_by_field(built_engines, t
     other_k = _config_like_the_build(tiny_pair, tmp_path, speculative={"max_draft_len": 6})
     with pytest.raises(EngineError, match="built from a different config .*max_draft_len: 4 then, 6 now"):
         open_executor(engines / "tiny-built", other_k)
+
+
+def test_the_compiled_width_cap_comes_from_the_config_and_an_argument_wins(built_engines, tiny_pair, tmp_path,
+                                                                          monkeypatch):
+    seen = []
+    monkeypatch.setattr(SpeculativeExecutor, "from_engines", classmethod(lambda cls, root, **kw: seen.append(kw)))
+    _, engines = built_engines
+    capped = _config_like_the_build(tiny_pair, tmp_path, runtime={"device": "cpu", "torch_compile": True,
+                                                                  "compile_max_width": 4})
+    open_executor(engines / "tiny-built", capped)
+    open_executor(engines / "tiny-built", capped, compile_max_width=8)
+    open_executor(engines / "tiny-built")
+    assert [(kw["compile"], kw["compile_max_width"]) for kw in seen] == [(True, 4), (True, 8), (False, 16)]

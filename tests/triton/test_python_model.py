@@ -430,3 +430,34 @@ def test_bad_messages_are_400s_naming_the_input(chat_server, chat_expected, body
     _, want = chat_expected["one-turn"]  # and the next chat is served as before
     assert _generate(chat_server, {"messages": json.dumps(CHATS["one-turn"]), "max_tokens": CHAT_MAX_TOKENS})["output_ids"] \
         == want.token_ids
+
+
+@pytest.mark.slow  # the served engine compiles its one bucket inside Triton's model process (tens of seconds)
+def test_a_compiled_engine_loads_and_serves_inside_triton(built_engines, expected, tmp_path):
+    """runtime.torch_compile reaches the served engine, and the compile runs in Triton's Python stub (whose
+    interpreter starts without a locale: inductor's UTF-8 templates failed to read as ASCII there); its greedy
+    tokens are plain decoding's, and the packages land under $SPECPIPE_CACHE, which the server's environment
+    keeps."""
+    from unittest import mock
+
+    from pipeline.methods import Method
+
+    config_path, engines = built_engines
+    config = load_config(config_path)
+    config = config.model_copy(update={
+        "runtime": config.runtime.model_copy(update={"torch_compile": True, "compile_max_width": 1}),
+        "speculative": config.speculative.model_copy(update={"method": Method.NGRAM})})  # no draft model to compile
+    repo = deploy(config, engines).path
+    endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
+    with mock.patch.dict("os.environ", {"SPECPIPE_CACHE": str(tmp_path / "cache")}):
+        running = TritonServer(repo, endpoints, log_path=tmp_path / "server.log").start(ready_timeout_s=600)
+    try:
+        prompt = PROMPTS[0]
+        body = json.dumps({"text_input": prompt, "max_tokens": MAX_TOKENS}).encode()
+        url = f"http://{endpoints.http}/v2/models/speculative/generate"
+        with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=120) as response:
+            data = json.loads(response.read())
+        assert data["output_ids"] == expected[prompt].token_ids
+        assert [p.name for p in (tmp_path / "cache" / "compiled").glob("*/*.pt2")] == ["step-1.pt2"]
+    finally:
+        running.stop()

@@ -56,6 +56,7 @@ def test_torch_model_configs(tmp_path, instances, proxies):
         p = params(model)
         assert Path(p["engines_dir"]).is_absolute() and (Path(p["pipeline_root"]) / "pipeline").is_dir()
         assert p["device"] == "cpu" and p["role"] == ("engine" if engine else "proxy")
+        assert p["torch_compile"] == "false" and p["compile_max_width"] == "16"  # runtime.*, read by model.py
         assert p["engine_model"] == "speculative_stream"
         # the prefix-cache counters stay off the unauthenticated metrics port unless the config asks
         assert p["prefix_cache_metrics"] == "false" and float(p["request_timeout_s"]) == 600

@@ -26,6 +26,7 @@ interval = rate(rows) / rate(steps) / max batch size) and ``spec_prefill_tokens_
 """
 
 import json
+import locale
 import queue
 import sys
 import threading
@@ -67,8 +68,20 @@ OUTPUT_NAMES = ["text_output", "output_ids", "finish_reason", "prompt_tokens", "
                 "target_steps", "acceptance_rate", "mean_accepted_len"]
 
 
+def _utf8_locale() -> None:
+    """The stub embeds the interpreter without setting the C locale, so files open as ASCII whatever LANG says;
+    inductor reads its UTF-8 kernel templates that way (runtime.torch_compile failed to load the model)."""
+    for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+        try:
+            locale.setlocale(locale.LC_CTYPE, name)
+            return
+        except locale.Error:
+            continue
+
+
 class TritonPythonModel:
     def initialize(self, args):
+        _utf8_locale()
         config = json.loads(args["model_config"])
         params = {key: value["string_value"] for key, value in config.get("parameters", {}).items()}
         self.role = params.get("role", "engine")
@@ -104,7 +117,10 @@ class TritonPythonModel:
             adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
             method=params.get("method") or None,
             ngram=NgramSettings(int(params["ngram_min_match"]), int(params["ngram_max_match"]))
-            if "ngram_min_match" in params else None)
+            if "ngram_min_match" in params else None,
+            compile={"true": True, "false": False}.get(params.get("torch_compile", "false"),
+                                                       params.get("torch_compile")),
+            compile_max_width=int(params["compile_max_width"]) if "compile_max_width" in params else None)
         self.engine_draft_len = self.executor.engine_draft_len or self.executor.max_draft_len
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
