@@ -79,6 +79,14 @@ def _utf8_locale() -> None:
             continue
 
 
+def _compile_options(params: dict) -> dict:
+    """runtime.torch_compile ("true", "false" or "max-autotune") and runtime.compile_max_width, for open_executor."""
+    mode = params.get("torch_compile", "false")
+    width = params.get("compile_max_width")
+    return {"compile": {"true": True, "false": False}.get(mode, mode),
+            "compile_max_width": int(width) if width else None}
+
+
 class TritonPythonModel:
     def initialize(self, args):
         _utf8_locale()
@@ -117,10 +125,7 @@ class TritonPythonModel:
             adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
             method=params.get("method") or None,
             ngram=NgramSettings(int(params["ngram_min_match"]), int(params["ngram_max_match"]))
-            if "ngram_min_match" in params else None,
-            compile={"true": True, "false": False}.get(params.get("torch_compile", "false"),
-                                                       params.get("torch_compile")),
-            compile_max_width=int(params["compile_max_width"]) if "compile_max_width" in params else None)
+            if "ngram_min_match" in params else None, **_compile_options(params))
         self.engine_draft_len = self.executor.engine_draft_len or self.executor.max_draft_len
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
