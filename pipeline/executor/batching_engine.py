@@ -41,6 +41,7 @@ from ..speculative.tree import greedy_tree_accept, sampled_tree_accept, uniforms
 from .block_pool import PrefixStats
 from .draft_policy import DraftPolicy
 from ..kv_settings import KVSettings
+from .compiled_decoder import capped_width
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers, choose_drafter
 from .proposers.ngram import row_lookup
@@ -105,9 +106,9 @@ class BatchingEngine:
         self.max_len = max_tokens
         max_blocks = self.kv.max_blocks(max_batch, max_tokens, self.spare)
 
-        # Compiled widths: up to every row's verify at once, within the cap. Each compiled width holds its own
-        # packed copy of the weights; a wider forward (a prompt chunk, a full batch's verify) runs eager.
-        max_width = min(max_batch * self.spare, compile_max_width)
+        # Compiled widths: up to every row's verify at once, no bucket past the cap. Each compiled width holds its
+        # own packed copy of the weights; a wider forward (a prompt chunk, a full batch's verify) runs eager.
+        max_width = capped_width(max_batch * self.spare, compile_max_width)
 
         def runner(model, follow=None):
             return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,

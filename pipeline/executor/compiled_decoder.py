@@ -40,6 +40,10 @@ from .llama_decoder import LlamaDecoder
 from .matmul_choice import KernelPlan, cpu_model
 
 TIMING_ROUNDS = 5
+# The code a package is traced from: the key covers its text, so a changed layer or operator compiles anew.
+CODE = [Path(__file__), *(Path(__file__).with_name(name) for name in ("llama_decoder.py", "paged_attention.py",
+                                                                       "matmul_choice.py")),
+        Path(__file__).parent.parent / "quantize.py"]
 FORMAT = 1  # bumped when what a package computes changes without its key changing
 # The frozen weights go into the package as one blob beside the compiled code, not into the shared library: loaded,
 # they are then held once (inside the library they were held twice, the mapped library and the tensors made from it).
@@ -55,6 +59,11 @@ def buckets(max_width: int) -> list[int]:
     return out
 
 
+def capped_width(widest: int, cap: int) -> int:
+    """The max_width to compile for forwards of up to ``widest`` tokens when no bucket may be wider than ``cap``."""
+    return widest if buckets(widest)[-1] <= cap else 1 << (cap.bit_length() - 1)
+
+
 def bucket(width: int, sizes: list[int]) -> int:
     for size in sizes:
         if size >= width:
@@ -66,6 +75,13 @@ def cheapest_routes(ms: dict[int, float]) -> dict[int, int]:
     """For each bucket width, the bucket that runs it: the cheapest of itself and the wider ones (``ms``: measured
     milliseconds per bucket), so no width costs more than a wider one."""
     return {size: min((other for other in ms if other >= size), key=lambda other: (ms[other], other)) for size in ms}
+
+
+def _gpu(device: torch.device) -> list | None:
+    """What a CUDA package depends on beyond the device index: the GPU and the CUDA version."""
+    if device.type != "cuda":
+        return None
+    return [torch.cuda.get_device_name(device), list(torch.cuda.get_device_capability(device)), torch.version.cuda]
 
 
 def default_store() -> Path:
@@ -108,13 +124,16 @@ class CompiledDecoder:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         decoder = self.decoder
+        device = decoder.embed.device
         digest = hashlib.blake2b(digest_size=20)
         digest.update(json.dumps({
             "format": FORMAT, "torch": torch.__version__, "cpu": cpu_model(), "isa": str(pick_vec_isa()),
             "threads": torch.get_num_threads(), "settings": self.settings, "aux_layers": list(decoder.aux_layers),
             "heads": [decoder.heads, decoder.kv_heads, decoder.head_dim], "eps": decoder.eps,
-            "device": str(decoder.embed.device),
+            "device": str(device), "gpu": _gpu(device),
         }, sort_keys=True).encode())
+        for source in CODE:  # what the graph traces: a change to it is a change to the package
+            digest.update(Path(source).read_bytes())
         for name, tensor in decoder.state_dict().items():
             digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
             digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
@@ -146,6 +165,8 @@ class CompiledDecoder:
                 for size in self.sizes:
                     start = time.perf_counter()
                     self._graphs[size](*inputs[size])
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)  # time the kernels, not their launch
                     best[size] = min(best[size], (time.perf_counter() - start) * 1e3)
         self.bucket_ms = {size: round(ms, 2) for size, ms in best.items()}
         self.route = cheapest_routes(best)
@@ -164,9 +185,12 @@ class CompiledDecoder:
             program = torch.export.export(_Step(self.decoder), example, strict=False)
         self.folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f".{path.stem}-{os.getpid()}.pt2")
-        torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
-                                                 inductor_configs={**self.settings, **PACKAGE_SETTINGS})
-        os.replace(partial, path)  # a reader sees the whole package or none
+        try:
+            torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
+                                                     inductor_configs={**self.settings, **PACKAGE_SETTINGS})
+            os.replace(partial, path)  # a reader sees the whole package or none
+        finally:
+            partial.unlink(missing_ok=True)  # a failed compile leaves no half-written package behind
         self.built += 1
         return torch._inductor.aoti_load_package(str(path))
 

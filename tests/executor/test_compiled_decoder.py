@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.executor.compiled_decoder import CompiledDecoder, bucket, buckets, cheapest_routes
+from pipeline.executor import compiled_decoder
+from pipeline.executor.compiled_decoder import CompiledDecoder, bucket, buckets, capped_width, cheapest_routes
 from pipeline.executor import paged_attention
 from pipeline.executor.model_runner import BatchModelRunner
 from pipeline.speculative.tree import TokenTree
@@ -26,6 +27,27 @@ def test_buckets_are_powers_of_two_up_to_the_widest_forward():
     assert [bucket(w, buckets(16)) for w in (1, 2, 3, 5, 9, 16)] == [1, 2, 4, 8, 16, 16]
     with pytest.raises(ValueError, match="wider than the widest compiled bucket"):
         bucket(17, buckets(16))
+
+
+def test_no_bucket_is_wider_than_the_cap():
+    assert buckets(capped_width(5, 16)) == [1, 2, 4, 8]  # every row's verify fits under the cap
+    assert buckets(capped_width(40, 16)) == [1, 2, 4, 8, 16]
+    assert buckets(capped_width(12, 10)) == [1, 2, 4, 8]  # 16 would hold 12 but is past the cap
+    assert buckets(capped_width(5, 6)) == [1, 2, 4]
+
+
+def test_the_package_key_covers_the_traced_code(tmp_path, monkeypatch):
+    """Packages are reused across starts by key: a changed layer or operator must not load an old package."""
+    decoder = BatchModelRunner(_model(LlamaForCausalLM, LlamaConfig), "cpu", max_tokens=64, block_size=8,
+                               max_blocks=16)._decoder
+    assert all(path.is_file() for path in compiled_decoder.CODE)
+    source = tmp_path / "layer.py"
+    source.write_text("x = 1\n")
+    monkeypatch.setattr(compiled_decoder, "CODE", [*compiled_decoder.CODE, source])
+    before = CompiledDecoder(decoder, 4, store=tmp_path).key()
+    assert CompiledDecoder(decoder, 4, store=tmp_path).key() == before  # the same everything: the same packages
+    source.write_text("x = 2\n")
+    assert CompiledDecoder(decoder, 4, store=tmp_path).key() != before
 
 
 def test_each_width_runs_on_the_cheapest_bucket_at_least_as_wide():
