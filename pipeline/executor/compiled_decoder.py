@@ -44,7 +44,6 @@ TIMING_ROUNDS = 5
 CODE = [Path(__file__), *(Path(__file__).with_name(name) for name in ("llama_decoder.py", "paged_attention.py",
                                                                        "matmul_choice.py")),
         Path(__file__).parent.parent / "quantize.py"]
-FORMAT = 1  # bumped when what a package computes changes without its key changing
 # The frozen weights go into the package as one blob beside the compiled code, not into the shared library: loaded,
 # they are then held once (inside the library they were held twice, the mapped library and the tensors made from it).
 PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False,
@@ -127,7 +126,7 @@ class CompiledDecoder:
         device = decoder.embed.device
         digest = hashlib.blake2b(digest_size=20)
         digest.update(json.dumps({
-            "format": FORMAT, "torch": torch.__version__, "cpu": cpu_model(), "isa": str(pick_vec_isa()),
+            "torch": torch.__version__, "cpu": cpu_model(), "isa": str(pick_vec_isa()),
             "threads": torch.get_num_threads(), "settings": self.settings, "aux_layers": list(decoder.aux_layers),
             "heads": [decoder.heads, decoder.kv_heads, decoder.head_dim], "eps": decoder.eps,
             "device": str(device), "gpu": _gpu(device),
@@ -145,20 +144,19 @@ class CompiledDecoder:
         self.folder = self.store / self.key()
         device = self.decoder.embed.device
         # silent when stderr is not a terminal (tests, logs)
+        examples = {size: tuple(torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
+                    for size in self.sizes}  # ids, positions, keep: what export traces and the timing runs
         for size in tqdm(self.sizes, desc="compiled decoder buckets", unit="graph", leave=False, disable=None):
-            example = tuple(torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
-            self._graphs[size] = self._load_or_build(size, example)
-        self._route()
+            self._graphs[size] = self._load_or_build(size, examples[size])
+        self._route(examples)
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
 
-    def _route(self) -> None:
+    def _route(self, inputs: dict[int, tuple]) -> None:
         """Time every bucket's graph (on an empty plan: attention does nothing, the weights stream as in a step) and
         send each width to the cheapest bucket at least as wide; a graph no width is sent to is dropped (its copy of
         the weights with it). A kernel can be slower at one row than at two (inductor picks per shape)."""
         device = self.decoder.embed.device
-        inputs = {size: tuple(torch.zeros(size, dtype=torch.long, device=device) for _ in range(3))
-                  for size in self.sizes}
         best = dict.fromkeys(self.sizes, float("inf"))
         with paged_attention.active(paged_attention.ForwardPlan([], 0), None):
             for _ in range(TIMING_ROUNDS):  # interleaved: a busy moment slows one round of every bucket alike
