@@ -27,10 +27,12 @@ help: ## list the targets and the variables they read
 
 # The venv is rebuilt when pyproject.toml or constraints.txt changes; torch is pinned so pip takes the local CPU
 # wheel, and constraints.txt pins what the package imports at run time (a fresh clone tests what we tested).
-$(VENV)/.installed: pyproject.toml constraints.txt
+# The suffix tree that method suffix drafts from is built from its source archive (scripts/install_suffix_tree.sh).
+$(VENV)/.installed: pyproject.toml constraints.txt scripts/install_suffix_tree.sh
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[serve,test]' -c constraints.txt
+	scripts/install_suffix_tree.sh $(PY)
 	touch $@
 
 setup: $(VENV)/.installed ## create .venv and install the package with its pinned dependencies

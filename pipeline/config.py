@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import ConfigError, short_repr
-from .methods import Method, NgramSettings
+from .methods import Method, NgramSettings, SuffixSettings
 from .speculative.tree_choices import DEFAULT_TREE, NAMED_TREES, tree_paths
 
 if TYPE_CHECKING:
@@ -89,6 +89,29 @@ class NgramSpec(_Section):
         return NgramSettings(self.min_match, self.max_match)
 
 
+class SuffixSpec(_Section):
+    """Suffix decoding (``speculative.method: suffix``): the most frequent continuation of the latest tokens in suffix
+    trees over the request's prompt and output and over recent requests' outputs (Arctic Inference's trees; the
+    settings and defaults of vLLM's suffix_decoding_*, except max_cached_requests)."""
+
+    max_tree_depth: int = Field(SuffixSettings.max_tree_depth, ge=2,
+                                description="Longest match plus draft, in tokens (the trees' depth).")
+    max_cached_requests: int = Field(
+        SuffixSettings.max_cached_requests, ge=0,
+        description="Past requests' outputs every request may draft from (oldest dropped first; 0: none, only the "
+                    "request's own prompt and output). Kept per cache_salt: requests with different salts never "
+                    "draft from each other's outputs. About 220 bytes of memory per cached output token.")
+    max_spec_factor: float = Field(SuffixSettings.max_spec_factor, gt=0.0,
+                                   description="A draft is at most this times its match's length (and at most K).")
+    min_token_prob: float = Field(SuffixSettings.min_token_prob, ge=0.0, le=1.0,
+                                  description="Draft only tokens whose probability estimated from the trees' counts "
+                                              "is at least this.")
+
+    def settings(self) -> SuffixSettings:
+        return SuffixSettings(self.max_tree_depth, self.max_cached_requests, self.max_spec_factor,
+                              self.min_token_prob)
+
+
 def _token_tree(paths) -> TokenTree:
     """The tree of ``paths`` (torch-backed: imported here, so loading a config does not import torch)."""
     from .speculative.tree import TokenTree
@@ -156,9 +179,11 @@ class SpeculativeSpec(_Section):
         Method.DRAFT_MODEL,
         description="Who proposes draft tokens: 'draft_model' (the draft engine), 'ngram' (lookups in the prompt "
                     "and generated text; no draft model needed), 'ngram+draft' (per step and request, whichever "
-                    "promises more tokens per unit of cost; lookups only where a match exists). Changing it "
-                    "rebuilds nothing: it is a runtime choice.")
+                    "promises more tokens per unit of cost; lookups only where a match exists), 'medusa' (heads on "
+                    "the target), 'suffix' (suffix trees over the prompt, the output and recent outputs; no draft "
+                    "model needed). Changing it rebuilds nothing: it is a runtime choice.")
     ngram: NgramSpec = Field(default_factory=NgramSpec)
+    suffix: SuffixSpec = Field(default_factory=SuffixSpec)
     medusa: MedusaSpec | None = Field(None, description="Required when method is 'medusa'.")
     max_draft_len: int = Field(4, description="K: draft tokens proposed per target step (medusa: the tree's depth "
                                               "decides, this is not read).")
@@ -335,7 +360,8 @@ class PipelineConfig(_Section):
                       max_length=100)
     backend: Literal["torch", "trtllm"] = "torch"
     target: ModelSpec
-    draft: ModelSpec | None = Field(None, description="Required unless speculative.method is 'ngram'.")
+    draft: ModelSpec | None = Field(None, description="Required for speculative.method 'draft_model' and "
+                                                      "'ngram+draft'.")
     speculative: SpeculativeSpec = Field(default_factory=SpeculativeSpec)
     build: BuildSpec = Field(default_factory=BuildSpec)
     runtime: RuntimeSpec = Field(default_factory=RuntimeSpec)

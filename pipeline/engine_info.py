@@ -18,7 +18,7 @@ from .config import PipelineConfig
 from .errors import EngineError
 from .layout import Layout
 from .kv_settings import KVSettings
-from .methods import Method, NgramSettings
+from .methods import Method, NgramSettings, SuffixSettings
 
 ENGINE_FILE = "engine.json"  # written by every backend's build beside its engine files
 
@@ -38,6 +38,7 @@ class EngineInfo:
     acceptance: str = "rejection"
     method: str | None = None  # speculative.method at build time (None: built before engine.json recorded it)
     ngram: dict | None = None  # speculative.ngram at build time
+    suffix: dict | None = None  # speculative.suffix at build time
     medusa_choices: list | None = None  # the tree a medusa target verifies (None: another method)
     kv: dict | None = None  # the torch engine's KVSettings fields at build time (None: built before they existed)
     # torch: the weight quantization applied when the engine loads (pipeline/quantize.py), None or "none": none.
@@ -82,6 +83,9 @@ class EngineInfo:
     def ngram_settings(self) -> NgramSettings:
         return NgramSettings(**self.ngram) if self.ngram else NgramSettings()
 
+    def suffix_settings(self) -> SuffixSettings:
+        return SuffixSettings(**self.suffix) if self.suffix else SuffixSettings()
+
     def kv_settings(self) -> KVSettings:
         return KVSettings(**self.kv) if self.kv else KVSettings()
 
@@ -99,6 +103,7 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         if speculative.method.needs_medusa_heads else speculative.max_draft_len,
         "acceptance": speculative.acceptance,
         "method": speculative.method.value, "ngram": speculative.ngram.model_dump(),
+        "suffix": speculative.suffix.model_dump(),
         # The tree a Medusa engine verifies (TensorRT-LLM's medusa_choices); None for the other methods.
         "medusa_choices": speculative.medusa.paths()
         if role == "target" and config.has_medusa_heads else None,

@@ -84,7 +84,8 @@ def _add_profile_parser(sub, common) -> None:
     p.add_argument("--max-new-tokens", type=int, default=48, help="tokens generated per prompt (default 48)")
     p.add_argument("--json", action="store_true", help="also print the measurements as JSON")
     p.add_argument("--no-ngram", action="store_true",
-                   help="leave out the proposers that need no draft model (n-gram lookup, and ngram+draft)")
+                   help="leave out the proposers that need no draft model (n-gram lookup, suffix decoding, and "
+                        "ngram+draft)")
     p.set_defaults(func=_cmd_profile)
 
 

@@ -12,6 +12,8 @@ With the measured cost ratio c and verify cost v_K, the expected speedup of K is
 Beside the drafts it measures the proposers that need no draft model, on the same prompts:
   ngram        lookups in the prompt and output (c = 0); acceptance per position is counted per target step,
                so steps where nothing matched (plain decoding) weigh in;
+  suffix       suffix decoding (c = 0), counted per target step like ngram; where its trees are installed. The
+               prompts run as one batch, so later ones draft from earlier ones' outputs, as served requests do
   ngram+DRAFT  the per-step choice between lookup and that draft, run at K = k_max: its tokens per step over its
                cost per step (the verify, plus K c on the steps where the draft ran).
   medusa:TREE  Medusa heads (--medusa, one run per tree in --tree): a tree step's cost is not a chain's K c + v_K,
@@ -31,7 +33,7 @@ from pathlib import Path
 
 from ..config import MAX_DRAFT_LEN_LIMIT
 from ..errors import PipelineError
-from ..methods import Method
+from ..methods import Method, suffix_tree_problem
 from ..speculative.tree_choices import NAMED_TREES
 from .arg_checks import check_range
 from .medusa_profile import tune_tree
@@ -75,14 +77,16 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
 
 
 def profile_lookup(target_path: Path, prompts: list[str | list[int]], labels: list[str], k_max: int,
-                   max_new_tokens: int, device: str, dtype: str, cost_repeats: int = 15) -> DraftProfile:
-    """N-gram lookups alone: acceptance per position per target step, c = 0 (no model proposes)."""
+                   max_new_tokens: int, device: str, dtype: str, cost_repeats: int = 15,
+                   method: Method = Method.NGRAM) -> DraftProfile:
+    """A proposer without a model (n-gram lookups, or suffix trees): acceptance per position per target step,
+    c = 0."""
     from ..executor import SpeculativeExecutor
     from .runner import fit_prompt
     from .timing import measure_costs
 
     executor = SpeculativeExecutor.from_pretrained(target_path, None, max_draft_len=k_max, device=device,
-                                                   dtype=dtype, method=Method.NGRAM)
+                                                   dtype=dtype, method=method)
     ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
     results = executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max)
     costs = measure_costs(executor.target, None, _context(ids, results, k_max), k_max, repeats=cost_repeats)
@@ -91,9 +95,8 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], labels: li
     every = chain_figures([r.stats for r in results], k_max, 0.0, verify, per_step=True)
     per_set = {name: chain_figures([r.stats for r in group], k_max, 0.0, verify, per_step=True)
                for name, group in by_label(labels, results).items()}
-    return DraftProfile("ngram", "ok", "", every.acceptance_rate, every.acceptance_by_position, 0.0, verify,
-                        every.expected_speedup, every.best_k, every.best_speedup, method=Method.NGRAM,
-                        per_set=per_set)
+    return DraftProfile(method.value, "ok", "", every.acceptance_rate, every.acceptance_by_position, 0.0, verify,
+                        every.expected_speedup, every.best_k, every.best_speedup, method=method, per_set=per_set)
 
 
 def profile_medusa(target_path: Path, heads: Path, choices, prompts: list, labels: list[str], max_new_tokens: int,
@@ -226,6 +229,9 @@ def cmd_profile(args) -> int:
     if not args.no_ngram:
         profiles.append(profile_lookup(target, prompts, labels, args.k_max, args.max_new_tokens, device,
                                        config.target.dtype))
+        if suffix_tree_problem() is None:
+            profiles.append(profile_lookup(target, prompts, labels, args.k_max, args.max_new_tokens, device,
+                                           config.target.dtype, method=Method.SUFFIX))
     print(format_profiles(profiles))
     for p in profiles:
         print(p.reasoning())

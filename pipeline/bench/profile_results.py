@@ -124,8 +124,9 @@ def recommendation(profiles: list[DraftProfile], scope: str = "") -> str:
         return (f"{lead} speculative.method: medusa with speculative.medusa.choices: {best.choices} (measured "
                 f"{best.best_speedup:.2f}x over target-only decoding)")
     gain = f"(expected {best.best_speedup:.2f}x over target-only decoding)"
-    if best.method == Method.NGRAM:
-        return f"{lead} speculative.method: ngram with speculative.max_draft_len: {best.best_k}, no draft model {gain}"
+    if best.method in (Method.NGRAM, Method.SUFFIX):
+        return (f"{lead} speculative.method: {Method(best.method).value} with speculative.max_draft_len: "
+                f"{best.best_k}, no draft model {gain}")
     if best.method == Method.NGRAM_DRAFT:
         return (f"{lead} speculative.method: ngram+draft with draft {best.draft.removeprefix('ngram+')} and "
                 f"speculative.max_draft_len: {best.best_k} {gain}")

@@ -4,6 +4,9 @@
          pair was made by pipeline/tinymodels.py or pipeline/trained_pair.py with the same seed)
   json   generated JSON records, cut inside a record, so the continuation is predictable structure
   prose  short English paragraphs written for this benchmark, cut after their opening sentence
+  agentic  tool-use transcripts of an operations agent: a task, then tool calls (one JSON line each) and their JSON
+         results, cut inside the next call. Calls and results recur within a transcript and across transcripts (the
+         same tools, the same keys), the workload suffix decoding is built for
 
 bench-serve also has ``chat`` (chat_prompt_ids): support questions that all follow one long deployment system prompt,
 so every prompt starts with the same tokens and a server with a prefix cache computes that prefix once.
@@ -17,7 +20,7 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-PROMPT_SETS = ("code", "json", "prose")
+PROMPT_SETS = ("code", "json", "prose", "agentic")
 
 _DEF_LINE = re.compile(r"^\s*def \w+\(.*\).*:\s*$")
 
@@ -154,6 +157,64 @@ def json_prompts(n: int, seed: int = 0, records: int = 2) -> list[str]:
     return prompts
 
 
+AGENT_PREAMBLE = """You are an operations agent. Call a tool by writing one line of JSON, {"tool": NAME, "args": {...}}; \
+its result comes back as one line of JSON. Tools: disk_usage(host), service_status(host, service), \
+order_status(order_id), create_ticket(summary, priority). Work through the task one call at a time.
+"""
+
+# (task, tool, the argument each call varies, its values' prefix, the result's fields -> a value maker)
+_AGENT_TASKS = [
+    ("Check the root disk of every web host and open a ticket for any above 80% used.", "disk_usage", "host",
+     "web-", lambda rng: {"mount": "/", "used_percent": rng.randint(35, 95), "size_gb": rng.choice([50, 100, 200])}),
+    ("Make sure nginx runs on every web host; restart nothing, just report.", "service_status", "host", "web-",
+     lambda rng: {"service": "nginx", "active": rng.random() < 0.85, "uptime_h": rng.randint(1, 900)}),
+    ("Find which of today's orders have not shipped yet.", "order_status", "order_id", "ORD-",
+     lambda rng: {"status": rng.choice(["shipped", "packed", "awaiting_payment"]),
+                  "carrier": rng.choice(["DHL", "UPS", "PostNL"]), "items": rng.randint(1, 6)}),
+    ("Check the database hosts' data disks before tonight's backup.", "disk_usage", "host", "db-",
+     lambda rng: {"mount": "/var/lib/postgresql", "used_percent": rng.randint(40, 92), "size_gb": 500}),
+]
+
+
+def agentic_turns(i: int, seed: int = 0, calls: int = 4) -> tuple[str, list[tuple[str, str]], str]:
+    """Transcript ``i``: its task, ``calls`` (tool call, result) pairs as JSON lines, and the tool it calls next."""
+    rng = random.Random(seed * 1000 + i)
+    task, tool, arg, prefix, result = _AGENT_TASKS[i % len(_AGENT_TASKS)]
+    first = rng.randint(1, 40)
+    turns = []
+    for j in range(calls):
+        key = f"{prefix}{first + j}" if prefix != "ORD-" else f"{prefix}{rng.randint(10000, 99999)}"
+        turns.append((json.dumps({"tool": tool, "args": {arg: key}}), json.dumps({arg: key, **result(rng)})))
+    return task, turns, tool
+
+
+def agentic_prompts(n: int, seed: int = 0) -> list[str]:
+    """``n`` transcripts as text: the preamble, a task, tool calls with their results, then the next call cut
+    after its tool name."""
+    prompts = []
+    for i in range(n):
+        task, turns, tool = agentic_turns(i, seed)
+        lines = [AGENT_PREAMBLE, f"Task: {task}"]
+        for call, result in turns:
+            lines += [f"Agent: {call}", f"Result: {result}"]
+        lines.append('Agent: {"tool": "' + tool + '", "args": {"')
+        prompts.append("\n".join(lines))
+    return prompts
+
+
+def agentic_chats(n: int, seed: int = 0) -> list[list[dict]]:
+    """``n`` transcripts as chats (prompts/agentic.jsonl): the preamble as the system message, the task, then each
+    call as an assistant turn and its result as a tool turn; the next assistant turn is the model's."""
+    chats = []
+    for i in range(n):
+        task, turns, _ = agentic_turns(i, seed)
+        messages = [{"role": "system", "content": AGENT_PREAMBLE.strip()}, {"role": "user", "content": task}]
+        for call, result in turns:
+            messages += [{"role": "assistant", "content": call}, {"role": "tool", "content": result}]
+        chats.append(messages)
+    return chats
+
+
 def prose_prompts(n: int, seed: int = 0) -> list[str]:
     """Up to ``n`` built-in paragraphs, each cut after its first sentence."""
     order = list(range(len(PROSE)))
@@ -219,6 +280,8 @@ def load_prompt_set(name: str, n: int, seed: int = 0, pair_seed: int = 0) -> lis
         prompts = json_prompts(n, seed)
     elif name == "prose":
         prompts = prose_prompts(n, seed)
+    elif name == "agentic":
+        prompts = agentic_prompts(n, seed)
     else:
         raise ValueError(f"--prompt-set: {name!r} is not a built-in set; use one of {', '.join(PROMPT_SETS)}")
     if not prompts:

@@ -69,8 +69,8 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
     tokens = sum(s.tokens for s in repeats[0])
     k_mean = drafted / len(steps) if steps else 0.0
     alpha = alpha_from_steps(steps)
-    # Lookups run no model: their cost ratio is 0. (The hybrid keeps the draft's c: an upper bound on its cost.)
-    c = 0.0 if method in ("ngram", "hf_lookup") else costs.cost_ratio_c
+    # Lookups and suffix trees run no model: their cost ratio is 0. (The hybrid keeps the draft's c: an upper bound on its cost.)
+    c = 0.0 if method in ("ngram", "suffix", "hf_lookup") else costs.cost_ratio_c
     if method in ("target", "hf_target"):
         verify, bound, refined = 1.0, 1.0, 1.0
     elif method == "medusa":  # a tree step: the chain model's bounds and verify cost do not describe it

@@ -6,6 +6,9 @@ Methods (all greedy, batch 1):
   dynamic      our runtime with max_draft_len="auto" (the executor picks K per step)
   ngram        our runtime, n-gram (prompt-lookup) proposals at the executor's K: no draft model at all
   ngram+draft  our runtime, per step the better of lookup and the draft model for the request (the executor's K)
+  suffix       our runtime, suffix decoding at the executor's K (where its trees are installed): the past outputs
+               are forgotten whenever a prompt comes round again, so a run drafts from the other prompts' outputs of
+               its round, never from its own earlier runs (a repeat of the same prompt would find its answer there)
   medusa       our runtime, Medusa heads' candidate tree verified in one pass (engines built with method medusa;
                K = the tree's depth); acceptance_by_position is then per tree depth
   adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy caps K per step from measured costs
@@ -83,6 +86,8 @@ def build_methods(executor, options: BenchOptions) -> list[BenchMethod]:
         # Without a draft model the lookup is the method under test: sweep its K as the draft's K is swept.
         for k in ([lookup_k] if with_draft else options.swept(lookup_k)):
             methods.append(BenchMethod(proposer.value, k, ours(k, proposer)))
+    if (trees := _suffix_trees(executor)) is not None:
+        methods.append(BenchMethod(Method.SUFFIX.value, lookup_k, suffix_runner(executor, trees, lookup_k)))
     if getattr(executor, "has_medusa_heads", False):  # heads on the target: its tree's depth is K
         depth = executor.engine.proposers[Method.MEDUSA].tree.max_depth if hasattr(executor, "engine") \
             else executor.max_draft_len
@@ -97,6 +102,36 @@ def build_methods(executor, options: BenchOptions) -> list[BenchMethod]:
 def _ours(executor, k: int | str | None, method: Method | None = None) -> Callable[[list[int], int], Sample]:
     """A generation on our runtime at K = ``k`` (0: target only, "auto": dynamic) with ``method``'s proposer."""
     return lambda ids, max_new_tokens: stream_sample(executor, ids, max_new_tokens, k, method=method)
+
+
+def _suffix_trees(executor):
+    """The executor's suffix trees, or None where it cannot run suffix decoding."""
+    from ..executor.proposers.suffix import SuffixTrees
+    from ..methods import suffix_tree_problem
+
+    if suffix_tree_problem() is not None:
+        return None
+    proposer = executor.engine.proposers.get(Method.SUFFIX) if hasattr(executor, "engine") else None
+    trees = proposer.trees if proposer is not None else getattr(executor, "suffix", None)
+    return trees if isinstance(trees, SuffixTrees) else None
+
+
+def suffix_runner(executor, trees, k: int) -> Callable[[list[int], int], Sample]:
+    """Suffix decoding whose past outputs are those of the current round: a round ends when a prompt comes again
+    (the warm-up, the calibration and each interleaved repeat), so a run drafts from what the other prompts answered
+    (what a workload of distinct requests offers), never from its own earlier answer. Prompt prefixes stay cached as
+    for every other method."""
+    runs: dict[tuple[int, ...], int] = {}
+    rounds = [0]
+
+    def run(ids: list[int], max_new_tokens: int) -> Sample:
+        key = tuple(ids)
+        runs[key] = runs.get(key, 0) + 1
+        if runs[key] > rounds[0]:
+            rounds[0] = runs[key]
+            trees.forget_past_outputs()
+        return stream_sample(executor, ids, max_new_tokens, k, method=Method.SUFFIX)
+    return run
 
 
 def hf_methods(executor, k_values: list[int], lookup_k: int) -> list[BenchMethod]:

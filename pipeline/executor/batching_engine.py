@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..methods import NgramSettings
+from ..methods import NgramSettings, SuffixSettings
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample_inverse_cdf
 from ..speculative.tree import greedy_tree_accept, sampled_tree_accept, uniforms_needed
 from .block_pool import PrefixStats
@@ -91,11 +91,13 @@ class BatchingEngine:
     def __init__(self, target_model, draft_model, *, device, max_batch: int, max_tokens: int, vocab_size: int,
                  engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
                  compile: bool | str = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
-                 kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH):
+                 kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
+                 suffix: SuffixSettings | None = None):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
         drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
         serving; a result never depends on it, see SpecRequest);
-        ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``medusa``: (MedusaHeads,
+        ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``suffix``: the suffix trees'
+        settings for method suffix; ``medusa``: (MedusaHeads,
         TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
         step's token budget; ``compile_max_width``: with ``compile``, the widest forward that runs compiled."""
         self.device = torch.device(device)
@@ -126,7 +128,8 @@ class BatchingEngine:
         self.ngram = ngram or NgramSettings()
         self.proposers: dict[str, Proposer] = build_proposers(ProposerContext(
             self.draft, vocab_size, self.device, self.ngram,
-            lambda rows, seconds: self._record("draft", rows, seconds), medusa, self.target))
+            lambda rows, seconds: self._record("draft", rows, seconds), medusa, self.target,
+            suffix or SuffixSettings()))
         # Every runner holding KV per request: the target's, then each proposer's own (once however many share it).
         self.runners = [self.target, *dict.fromkeys(p.kv_runner for p in self.proposers.values()
                                                     if p.kv_runner is not None)]

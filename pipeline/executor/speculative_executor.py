@@ -18,7 +18,7 @@ from ..errors import EngineError
 from ..kv_settings import KVSettings
 from ..layout import Layout
 from ..medusa_heads import ENGINE_SUBDIR
-from ..methods import Method, NgramSettings, parse_method
+from ..methods import Method, NgramSettings, SuffixSettings, parse_method
 from ..quantize import quantize_model
 from ..speculative.tree import TokenTree
 from ..speculative.tree_choices import DEFAULT_TREE, tree_paths
@@ -37,7 +37,8 @@ class SpeculativeExecutor(ExecutorBase):
                  engine_draft_len: int | None = None, max_batch_size: int = DEFAULT_MAX_BATCH,
                  adaptive_draft_len: bool = False, compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
-                 kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH):
+                 kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
+                 suffix: SuffixSettings | None = None):
         """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
         for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
         wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
@@ -46,11 +47,12 @@ class SpeculativeExecutor(ExecutorBase):
         ``method``: who proposes draft tokens, "draft_model", "ngram" (lookup in the prompt and generated text;
         ``draft_model`` may be None) or "ngram+draft" (per step, whichever promises more tokens per unit of cost) or
         "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
-        list of paths); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
+        list of paths) or "suffix" (suffix trees over the prompt, the output and recent outputs, ``suffix`` their
+        settings; ``draft_model`` may be None); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
         step's token budget (chunked prefill)."""
         self.acceptance = checked_acceptance(acceptance)
         self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None)
-        if self.method == Method.NGRAM:
+        if self.method in (Method.NGRAM, Method.SUFFIX):
             draft_model = None  # never run: lookups need no model
         self.device = torch.device(device)
         self.tokenizer = tokenizer
@@ -77,7 +79,7 @@ class SpeculativeExecutor(ExecutorBase):
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             engine_draft_len=max(max_draft_len, engine_draft_len or 0), acceptance=acceptance,
             adaptive_draft_len=adaptive_draft_len, compile=compile, compile_max_width=compile_max_width, ngram=ngram,
-            medusa=(medusa, tree) if medusa is not None else None, kv=kv)
+            medusa=(medusa, tree) if medusa is not None else None, kv=kv, suffix=suffix)
 
     @property
     def has_medusa_heads(self) -> bool:
@@ -105,9 +107,10 @@ class SpeculativeExecutor(ExecutorBase):
                         ngram: NgramSettings | None = None, draft_dtype: str | None = None, medusa=None,
                         medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None, quantization: str = "none",
                         draft_quantization: str = "none",
-                        compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH) -> SpeculativeExecutor:
+                        compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
+                        suffix: SuffixSettings | None = None) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
-        ``draft`` may be None with ``method="ngram"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
+        ``draft`` may be None with ``method="ngram"``, ``"suffix"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
         ``medusa_choices``; ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
         linear layers (pipeline/quantize.py; pass dtype bfloat16 for the fast CPU kernel)."""
@@ -129,16 +132,17 @@ class SpeculativeExecutor(ExecutorBase):
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
                    max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
-                   medusa_choices=medusa_choices, kv=kv, compile_max_width=compile_max_width)
+                   medusa_choices=medusa_choices, kv=kv, compile_max_width=compile_max_width, suffix=suffix)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool | str = False,
                      adaptive_draft_len: bool = False, method: str | None = None,
                      ngram: NgramSettings | None = None, kv: KVSettings | None = None,
-                     compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH) -> SpeculativeExecutor:
+                     compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
+                     suffix: SuffixSettings | None = None) -> SpeculativeExecutor:
         """Load the torch engines built for one config: ``engines/<name>`` (target/build, and draft/build when the
         method drafts with a model). K, the limits and the acceptance rule are the build's (engine.json);
-        ``method``, ``ngram`` and ``kv`` default to what the engines were built for.
+        ``method``, ``ngram``, ``suffix`` and ``kv`` default to what the engines were built for.
 
         This returns a SpeculativeExecutor or raises: engines built by the trtllm backend are refused with the way to
         open them (:func:`pipeline.executor.open_executor`, which returns the executor of the backend that built a
@@ -166,7 +170,7 @@ class SpeculativeExecutor(ExecutorBase):
                    max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
                    compile=compile, method=method, ngram=ngram or target_info.ngram_settings(), medusa=medusa,
                    medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings(),
-                   compile_max_width=compile_max_width)
+                   compile_max_width=compile_max_width, suffix=suffix or target_info.suffix_settings())
 
     def new_request(self, *args, **kwargs) -> SpecRequest:
         request = super().new_request(*args, **kwargs)

@@ -25,7 +25,8 @@ class StepBatch:
     proposals: list[list[int]] = field(default_factory=list)  # [B][num_draft] each row's draft tokens
     proposal_probs: list[Tensor | None] = field(default_factory=list)  # [B] [num_draft, V] for sampled rows, else None
     proposer: list[Method | None] = field(default_factory=list)  # [B] who drafted each row (None: a plain step)
-    lookups: dict[int, list[int]] = field(default_factory=dict)  # row -> the n-gram match found this step
+    # row -> the draft a model-free proposer found this step (its n-gram match or suffix-tree draft), asked once
+    lookups: dict[int, list[int]] = field(default_factory=dict)
     # [B] a row whose proposal is a tree (Medusa): its TokenTree, the proposal being the nodes after the root in node
     # order; None for a chain (draft tokens one after another)
     trees: list = field(default_factory=list)

@@ -2,7 +2,8 @@
 
 Per target step (one request):
   1. Draft: the proposer that proposers.choose_drafter picks proposes up to K tokens: the draft engine generates them
-     (and, for rejection sampling, their generation logits), or an n-gram lookup finds them in the sequence.
+     (and, for rejection sampling, their generation logits), or an n-gram lookup finds them in the sequence, or the
+     suffix trees (the request's and recent outputs', proposers.suffix.SuffixTrees) continue it.
   2. Verify: the target engine gets the sequence plus the draft tokens as an ExternalDraftTokensConfig
      (via ModelRunnerCpp.generate(draft_tokens_list=..., draft_logits_list=...)) and, inside its compiled graph,
      keeps the accepted prefix and adds one recovered or bonus token: output = accepted + 1 token.
@@ -28,17 +29,18 @@ import torch
 
 from ..backends.trtllm_runner import EngineLimits, Sampling, TrtllmRunner
 from ..errors import EngineError, short_repr
-from ..methods import Method, NgramSettings, parse_method
+from ..methods import Method, NgramSettings, SuffixSettings, parse_method
 from ..speculative.ngram import propose_ngram
 from .base import ExecutorBase, checked_acceptance
 from .proposers import CostRatio, choose_drafter
+from .proposers.suffix import SuffixTrees
 from .request import SpecRequest
 from .request_values import DraftLen
 from .results import RequestError, StreamEvent
 
 # What this loop knows how to run (see _step and _run); any other method is refused by name when the engines are
 # opened and on every request, never run as if it were the draft model.
-IMPLEMENTED = (Method.DRAFT_MODEL, Method.NGRAM, Method.NGRAM_DRAFT, Method.MEDUSA)
+IMPLEMENTED = (Method.DRAFT_MODEL, Method.NGRAM, Method.NGRAM_DRAFT, Method.MEDUSA, Method.SUFFIX)
 
 SEED_STRIDE = 0x9E3779B97F4A7C15  # odd 64-bit constant (golden ratio): step seeds of nearby request seeds differ
 
@@ -105,15 +107,17 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
     def __init__(self, target: TrtllmRunner, draft: TrtllmRunner | None, tokenizer, limits: EngineLimits,
                  max_draft_len: int, acceptance: str = "rejection", eos_token_ids: Sequence[int] = (),
                  method: str = Method.DRAFT_MODEL, ngram: NgramSettings | None = None,
-                 medusa_choices: list[list[int]] | None = None):
+                 medusa_choices: list[list[int]] | None = None, suffix: SuffixSettings | None = None):
         """``method``: "draft_model", "ngram" (lookups fed to the target as external draft tokens, as TensorRT-LLM's
-        examples/ngram does; ``draft`` may be None), "ngram+draft" (per step, the better of the two) or "medusa"
+        examples/ngram does; ``draft`` may be None), "ngram+draft" (per step, the better of the two), "suffix" (the
+        suffix trees' drafts as external draft tokens, ``suffix`` their settings; ``draft`` may be None) or "medusa"
         (``target`` is a Medusa engine opened with ``medusa_choices``, its tree; ``draft`` is None)."""
         self.acceptance = checked_acceptance(acceptance)
         self.medusa_choices = medusa_choices
         self.has_medusa_heads = medusa_choices is not None
         self.method = engine_method(method, draft is not None, medusa_choices is not None, ValueError)
         self.ngram = ngram or NgramSettings()
+        self.suffix = SuffixTrees(suffix or SuffixSettings())
         self.costs = CostRatio()  # a draft token's seconds over a verify call's
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.limits = limits
@@ -136,11 +140,12 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
     @classmethod
     def from_engines(cls, root, target_device_ids: list[int] | None = None,
                      draft_device_ids: list[int] | None = None, method: str | None = None,
-                     ngram: NgramSettings | None = None) -> TrtllmSpeculativeExecutor:
+                     ngram: NgramSettings | None = None, suffix: SuffixSettings | None = None
+                     ) -> TrtllmSpeculativeExecutor:
         """Load engines/<name> built by the trtllm backend (target/build, and draft/build unless the method is ngram
         or medusa).
 
-        ``method`` and ``ngram`` default to what the engines were built for (engine.json). GPUs default to
+        ``method``, ``ngram`` and ``suffix`` default to what the engines were built for (engine.json). GPUs default to
         runtime.target_device_ids / runtime.draft_device_ids as recorded there at build time; pass them to override
         (runtime settings do not invalidate a build).
         """
@@ -163,7 +168,8 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         opened = trtllm_loading.open_engines(layout.root, method, target_device_ids, draft_device_ids)
         return cls(opened.target, opened.draft, opened.tokenizer, opened.limits, opened.limits.engine_draft_len,
                    opened.acceptance, eos_token_ids=opened.eos_token_ids, method=method,
-                   ngram=ngram or info.ngram_settings(), medusa_choices=opened.medusa_choices)
+                   ngram=ngram or info.ngram_settings(), medusa_choices=opened.medusa_choices,
+                   suffix=suffix or info.suffix_settings())
 
     def new_request(self, prompt, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                     seed: int | None = None, max_draft_len: DraftLen = None,
@@ -188,14 +194,17 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
         for request in requests:
             seed = request.seed if request.seed is not None else int(
                 torch.randint(0, 2 ** 62, (1,), generator=request.generator))
-            while not request.finished:
-                k = request.step_draft_len()
-                step = request.stats.target_steps
-                if (k == 0 and request.plan.max_draft_len == 0) or request.method == Method.MEDUSA:
-                    yield request, self._target_only(request, seed)
-                    continue
-                tokens, drafted, accepted, proposer = self._step(request, k, seed, step)
-                yield request, request.advance(tokens, drafted, accepted, proposer=proposer)
+            try:
+                while not request.finished:
+                    k = request.step_draft_len()
+                    step = request.stats.target_steps
+                    if (k == 0 and request.plan.max_draft_len == 0) or request.method == Method.MEDUSA:
+                        yield request, self._target_only(request, seed)
+                        continue
+                    tokens, drafted, accepted, proposer = self._step(request, k, seed, step)
+                    yield request, request.advance(tokens, drafted, accepted, proposer=proposer)
+            finally:  # its output joins the suffix trees' past outputs (a no-op for the other methods)
+                self.suffix.release(request.id)
 
     def _sampling(self, request: SpecRequest, seed: int, step: int, role: int) -> Sampling:
         p = request.params
@@ -215,7 +224,8 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
             return found[n]
 
         proposer = choose_drafter(request, k, lookup, self.costs.value) if k > 0 else None
-        draft_tokens = lookup(k) if proposer == Method.NGRAM else []
+        draft_tokens = lookup(k) if proposer == Method.NGRAM else \
+            self.suffix.draft(request, k) if proposer == Method.SUFFIX else []
         draft_logits = None
         if proposer == Method.DRAFT_MODEL:
             # Step 1: the draft proposes k tokens (it may stop early on EOS).

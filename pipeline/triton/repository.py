@@ -61,11 +61,12 @@ def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
             written = torch_repo.write_torch_repository(tmp, config, plan.engines_root)
             return {"models": [p.name for p in written]}
     else:
-        if config.speculative.method == Method.NGRAM:
-            raise ConfigError("speculative.method: 'ngram' cannot be served by the tensorrtllm_backend layout, "
-                              "whose tensorrt_llm_bls drafts with a draft engine; run n-gram on TensorRT-LLM "
-                              "through the Python executor (`python -m pipeline run`), or use backend: torch to "
-                              "serve it with Triton, or method draft_model")
+        if config.speculative.method in (Method.NGRAM, Method.SUFFIX):
+            method = config.speculative.method.value
+            raise ConfigError(f"speculative.method: {method!r} cannot be served by the tensorrtllm_backend layout, "
+                              f"whose tensorrt_llm_bls drafts with a draft engine; run {method} on TensorRT-LLM "
+                              f"through the Python executor (`python -m pipeline run`), or use backend: torch to "
+                              f"serve it with Triton, or method draft_model")
         # TensorRT-LLM engines are built on the GPU box; the repository only names their paths, so it can be
         # generated (and checked) anywhere.
         paths = trtllm_repo.TrtllmPaths.for_engines(plan.engine_dir("target"), plan.engine_dir("draft"),

@@ -10,6 +10,7 @@ Both run ``python_model/model.py`` (copied in as ``<model>/1/model.py``); the ``
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -50,6 +51,7 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         "method": config.speculative.method,
         "ngram_min_match": config.speculative.ngram.min_match,
         "ngram_max_match": config.speculative.ngram.max_match,
+        "suffix": json.dumps(config.speculative.suffix.model_dump(), sort_keys=True),
         "config_name": config.name,
         "request_timeout_s": config.serve.request_timeout_s,
         "prefix_cache_metrics": config.serve.prefix_cache_metrics,

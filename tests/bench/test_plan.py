@@ -63,9 +63,9 @@ def test_builtin_sets_share_the_default_prompts():
     config = load_config(ROOT / "configs" / "tiny.yaml")
     one = plan_from_args(_args(), config)
     assert list(one.prompt_sets) == ["code"] and len(one.prompt_sets["code"]) == 4
-    three = plan_from_args(_args(prompt_set="all"), config)
-    assert {name: len(p) for name, p in three.prompt_sets.items()} == {"code": 1, "json": 1, "prose": 1}
-    assert three.full_sizes == {"code": 8, "json": 8, "prose": 8}
+    every = plan_from_args(_args(prompt_set="all"), config)  # 4 prompts shared among the 4 sets
+    assert {name: len(p) for name, p in every.prompt_sets.items()} == {"code": 1, "json": 1, "prose": 1, "agentic": 1}
+    assert every.full_sizes == {"code": 8, "json": 8, "prose": 8, "agentic": 8}
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -37,8 +37,10 @@ def test_profile_recommends_k_in_range_and_reports_incompatible_drafts(tiny_pair
                  "--json"]) == 0
     out = capsys.readouterr().out
     profiles = json.loads(out[out.index("\n[\n") + 1:])
-    ok, hybrid, bad, gone, lookup = profiles
-    assert [p["method"] for p in profiles] == ["draft_model", "ngram+draft", "draft_model", "draft_model", "ngram"]
+    ok, hybrid, bad, gone, lookup, suffix = profiles
+    assert [p["method"] for p in profiles] == ["draft_model", "ngram+draft", "draft_model", "draft_model", "ngram",
+                                               "suffix"]
+    assert suffix["status"] == "ok" and suffix["cost_ratio_c"] == 0.0 and 1 <= suffix["best_k"] <= 3
     assert ok["status"] == "ok" and 1 <= ok["best_k"] <= 3
     assert len(ok["acceptance_by_position"]) == 3 and len(ok["expected_speedup"]) == 3
     assert ok["best_speedup"] == max(ok["expected_speedup"])
@@ -88,6 +90,9 @@ def test_recommendation_names_the_method():
     assert "method: ngram+draft with draft d and speculative.max_draft_len: 4" in recommendation(
         [draft, lookup, hybrid])
     assert "method: draft_model with draft d" in recommendation([draft])
+    trees = DraftProfile("suffix", "ok", best_k=5, best_speedup=2.3, method="suffix")
+    assert recommendation([draft, lookup, hybrid, trees]).startswith(
+        "recommend: speculative.method: suffix with speculative.max_draft_len: 5, no draft model")
     slow = DraftProfile("ngram", "ok", best_k=1, best_speedup=0.9, method="ngram")
     assert "serve the target alone" in recommendation([slow])
 

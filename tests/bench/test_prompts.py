@@ -14,6 +14,37 @@ def test_prompt_sets_are_deterministic_and_nonempty():
         assert first == again and len(first) == 3 and all(p.strip() for p in first)
     assert load_prompt_set("code", 2)[0].rstrip().endswith(":")  # ends on a def line
     assert load_prompt_set("json", 1)[0].endswith('"name": "')
+    assert load_prompt_set("agentic", 1)[0].endswith('"args": {"')  # cut inside the next tool call
+
+
+def test_agentic_transcripts_repeat_their_calls_within_and_across_transcripts():
+    """What suffix decoding is for: a transcript's calls share their text with each other, and with other
+    transcripts' calls of the same tool."""
+    from pipeline.bench.prompts import agentic_turns
+
+    task, turns, tool = agentic_turns(0)
+    calls = [call for call, _ in turns]
+    assert len(set(calls)) == len(calls) and all(call.startswith(f'{{"tool": "{tool}", "args": {{') for call in calls)
+    _, later, same_tool = agentic_turns(4)  # the same task template, other hosts and results
+    assert same_tool == tool and later != turns and later[0][1].split(",")[1] == turns[0][1].split(",")[1]
+
+
+def test_the_shipped_agentic_chats_are_the_generated_ones(real_model_dir):
+    """prompts/agentic.jsonl is what scripts/make_agentic_prompts.py writes (agentic_chats(16, seed=1)), under 450
+    tokens each."""
+    import json
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from pipeline.bench.prompts import agentic_chats
+    from pipeline.prompt_files import encode_items, read_prompt_file
+
+    path = Path(__file__).resolve().parents[2] / "prompts" / "agentic.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines == [{"set": "agentic", "messages": chat} for chat in agentic_chats(16, seed=1)]
+    lengths = [len(ids) for ids in encode_items(read_prompt_file(path), AutoTokenizer.from_pretrained(real_model_dir))]
+    assert max(lengths) <= 450, lengths
 
 
 def _common_prefix(prompts: list[list[int]]) -> int:

@@ -209,7 +209,7 @@ def test_ngram_needs_no_draft_and_draft_model_needs_one(pair):
     assert ex.method == "ngram" and ex.engine.draft is None
 
 
-@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 0.8, 0), ("ngram+draft", 1.3, 4)])
+@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 0.8, 0), ("ngram+draft", 1.3, 4), ("suffix", 0.8, 0)])
 def test_sampled_output_follows_the_target_distribution(method, temperature, top_k):
     """Lookups are one-hot proposals; the first two sampled tokens must still follow the target's exact joint
     (TV < 0.07 at 3000 samples) and lookups must really have been proposed (the prompt repeats)."""
@@ -225,15 +225,16 @@ def test_sampled_output_follows_the_target_distribution(method, temperature, top
     with torch.no_grad():
         first = probs(prompt)
         exact = torch.stack([first[a] * probs(prompt + [a]) for a in range(6)]).flatten()
-    ex = SpeculativeExecutor(target, draft if method != "ngram" else None, None, max_draft_len=3, method=method,
-                             max_batch_size=32)
+    ex = SpeculativeExecutor(target, draft if method == "ngram+draft" else None, None, max_draft_len=3,
+                             method=method, max_batch_size=32)
     n = 3000
     results = ex.generate([prompt] * n, 2, temperature=temperature, top_k=top_k, seed=list(range(n)))
     pairs = torch.tensor([r.token_ids[0] * 6 + r.token_ids[1] for r in results])
     tv = 0.5 * (torch.bincount(pairs, minlength=36).float() / n - exact).abs().sum().item()
     assert tv < 0.07, tv
-    looked_up = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[0] for r in results)
-    kept = sum(r.stats.by_proposer.get("ngram", [0, 0, 0])[1] for r in results)
+    lookup = "suffix" if method == "suffix" else "ngram"
+    looked_up = sum(r.stats.by_proposer.get(lookup, [0, 0, 0])[0] for r in results)
+    kept = sum(r.stats.by_proposer.get(lookup, [0, 0, 0])[1] for r in results)
     assert 0 < kept < looked_up
 
 

@@ -171,6 +171,23 @@ def test_stream_yields_one_event_per_target_step():
     assert [t for e in events for t in e.token_ids] == reference([1, 2, 3], 12)
 
 
+def test_suffix_drafts_go_to_the_target_as_external_draft_tokens():
+    """No draft engine: the suffix trees' drafts are verified like lookups, and a request's output, once it has
+    ended, is drafted from by the next request that reaches the same text."""
+    target = FakeTrtllmRuntime(target_next)
+    ex = TrtllmSpeculativeExecutor(target, None, None, EngineLimits(64, 256, 6), 6, "rejection", [EOS],
+                                   method="suffix")
+    prompt = [1, 2, 3]
+    (first,) = ex.generate([prompt], 30)
+    calls_before = len(target.calls)
+    (again,) = ex.generate([prompt], 30)
+    assert first.token_ids == again.token_ids == reference(prompt, 30)
+    drafted = [c["draft_tokens"] for c in target.calls[calls_before:] if c["draft_tokens"]]
+    assert drafted and again.stats.accepted_tokens > first.stats.accepted_tokens
+    assert again.stats.by_proposer["suffix"][1] == again.stats.accepted_tokens
+    assert ex.suffix.running == 0
+
+
 # ---- a Medusa engine: no draft engine, greedy only ---------------------------------------------------------------
 
 MEDUSA_TREE = [[0], [1], [0, 0], [0, 0, 0]]  # depth 3
@@ -248,7 +265,7 @@ def test_a_method_the_loop_does_not_implement_is_refused_by_name(monkeypatch):
 
     monkeypatch.setattr(trtllm_executor, "parse_method", _parse_with_eagle)
     monkeypatch.setattr(base, "parse_method", _parse_with_eagle)
-    listed = "\\(it runs 'draft_model', 'ngram', 'ngram\\+draft', 'medusa'\\)"
+    listed = "\\(it runs 'draft_model', 'ngram', 'ngram\\+draft', 'medusa', 'suffix'\\)"
     with pytest.raises(ValueError, match=f"method: 'eagle' is not implemented by the TensorRT-LLM executor {listed}"):
         TrtllmSpeculativeExecutor(FakeTrtllmRuntime(target_next), FakeTrtllmRuntime(draft_next),
                                   None, EngineLimits(64, 256, 4), 4, method="eagle")

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ...methods import Method
+from ...methods import Method, suffix_tree_problem
 from .base import Proposer, ProposerContext
 from .dispatch import choose_drafter
 from .draft_model import DraftModelProposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 from .ngram_or_draft import CostRatio, NgramOrDraftProposer
+from .suffix import SuffixProposer
 
 
 def _draft_model(context: ProposerContext, built: dict) -> Proposer | None:
@@ -34,12 +35,17 @@ def _medusa(context: ProposerContext, built: dict) -> Proposer | None:
     return MedusaProposer(context) if context.medusa is not None else None
 
 
+def _suffix(context: ProposerContext, built: dict) -> Proposer | None:
+    return SuffixProposer(context) if suffix_tree_problem() is None else None
+
+
 # In dependency order: a factory sees the proposers registered above it.
 REGISTRY: dict[Method, Callable[[ProposerContext, dict], Proposer | None]] = {
     Method.DRAFT_MODEL: _draft_model,
     Method.NGRAM: _ngram,
     Method.NGRAM_DRAFT: _ngram_or_draft,
     Method.MEDUSA: _medusa,
+    Method.SUFFIX: _suffix,
 }
 
 

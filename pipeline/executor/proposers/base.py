@@ -27,15 +27,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ...methods import Method, NgramSettings
+from ...methods import Method, NgramSettings, SuffixSettings
 from ..step_batch import StepBatch
 
 
 @dataclass
 class ProposerContext:
     """What a proposer may use: the engine's draft runner (None without a draft model), ids both models have,
-    where tensors live, the lookup settings, and a callback that records a draft forward's (rows, seconds) for the
-    K policy."""
+    where tensors live, the lookup settings, a callback that records a draft forward's (rows, seconds) for the
+    K policy, and the suffix trees' settings."""
 
     draft_runner: object | None
     vocab_size: int
@@ -44,6 +44,7 @@ class ProposerContext:
     record_draft: Callable[[int, float], None]
     medusa: tuple | None = None  # (MedusaHeads, TokenTree) when the engine serves method medusa
     target_runner: object | None = None  # the target's BatchModelRunner (lengths, hidden states of its forwards)
+    suffix: SuffixSettings = SuffixSettings()
 
 
 class Proposer(ABC):

@@ -13,8 +13,9 @@ parameter ``role`` says which part this instance plays:
   request/response model shares the engine instead of loading the models again.
 
 Other config.pbtxt parameters: ``pipeline_root`` (put on sys.path so ``pipeline`` imports), ``engines_dir``,
-``config_name``, ``device``, ``adaptive_draft_len``, ``method``, ``ngram_min_match``, ``ngram_max_match`` (the
-config's drafting method and lookup settings; without them the engines' recorded ones), ``engine_model``,
+``config_name``, ``device``, ``adaptive_draft_len``, ``method``, ``ngram_min_match``, ``ngram_max_match``, ``suffix``
+(the config's drafting method, lookup settings and suffix trees' settings as JSON; without them the engines' recorded
+ones), ``engine_model``,
 ``request_timeout_s`` (the proxy's deadline per request) and ``prefix_cache_metrics``. Both export the counters ``spec_*_total`` on Triton's metrics
 port, the engine model also ``spec_drafted_at_position_total`` / ``spec_accepted_at_position_total`` per draft
 position (label ``position``; for Medusa the tree depth) (the engine model counts all the work it did, proxied requests included; the
@@ -114,7 +115,7 @@ class TritonPythonModel:
         if params["pipeline_root"] not in sys.path:
             sys.path.insert(0, params["pipeline_root"])
         from pipeline.executor import RequestError, open_executor
-        from pipeline.methods import NgramSettings
+        from pipeline.methods import NgramSettings, SuffixSettings
         from pipeline.executor.serving_loop import ServingLoop
         from pipeline.triton.request_inputs import parse_request
 
@@ -125,7 +126,9 @@ class TritonPythonModel:
             adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
             method=params.get("method") or None,
             ngram=NgramSettings(int(params["ngram_min_match"]), int(params["ngram_max_match"]))
-            if "ngram_min_match" in params else None, **_compile_options(params))
+            if "ngram_min_match" in params else None,
+            suffix=SuffixSettings(**json.loads(params["suffix"])) if "suffix" in params else None,
+            **_compile_options(params))
         self.engine_draft_len = self.executor.engine_draft_len or self.executor.max_draft_len
         self.model_source = f"the served model ({params.get('config_name') or args['model_name']})"
         self.occupancy = self._gauge("spec_batch_occupancy", "Running requests / max batch size")
