@@ -29,7 +29,9 @@ DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/t
                  "tests/executor/test_batching_engine.py::test_seeded_sampling_does_not_depend_on_neighbours",
                  "tests/speculative/test_tree.py", "tests/executor/test_medusa_proposer.py",
                  "tests/executor/test_block_pool.py", "tests/executor/test_model_runner.py",
-                 "tests/executor/test_batching_engine.py::test_chunked_prefill_and_prefix_reuse_change_no_result"]
+                 "tests/executor/test_batching_engine.py::test_chunked_prefill_and_prefix_reuse_change_no_result",
+                 "tests/executor/test_suffix_proposer.py",
+                 "tests/executor/test_proposers.py::test_sampled_output_follows_the_target_distribution"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
@@ -39,6 +41,7 @@ ACCEPT = "pipeline/speculative/accept.py"
 TREE = "pipeline/speculative/tree.py"
 CACHE = "pipeline/executor/paged_kv_cache.py"
 POOL = "pipeline/executor/block_pool.py"
+SUFFIX = "pipeline/executor/proposers/suffix.py"
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,18 @@ MUTANTS = [
            "last_position[row] = int(batch.first_logit[row]) + (path[-1] if path else accepted)",
            "last_position[row] = int(batch.first_logit[row]) + accepted",
            "the heads read the hidden state at the accepted depth's offset, not at the accepted node"),
+    Mutant("suffix_probs_shifted", SUFFIX,
+           "one_hot_probs(tokens, self.vocab_size, self.device)",
+           "one_hot_probs([(t + 1) % self.vocab_size for t in tokens], self.vocab_size, self.device)",
+           "a suffix draft's distribution names the next id, not the drafted token"),
+    Mutant("suffix_seeded_reads_past_outputs", SUFFIX,
+           "return request.seeded and not request.params.greedy",
+           "return False",
+           "seeded sampled requests draft from other requests' outputs (their tokens then depend on them)"),
+    Mutant("suffix_salt_ignored", SUFFIX,
+           "cache = self._own_trees() if _reproducible(request) else self._cache(request.cache_salt)",
+           "cache = self._own_trees() if _reproducible(request) else self._cache(None)",
+           "past outputs shared across cache salts"),
 ]
 
 

@@ -184,6 +184,11 @@ def test_config_method_rules(tiny_pair):
         parse_config({**data, "speculative": {"method": "ngram", "ngram": {"min_match": 5}}})
     with pytest.raises(ConfigError, match="speculative.method"):
         parse_config({**data, "speculative": {"method": "lookahead"}})
+    suffix = parse_config({**data, "speculative": {"method": "suffix", "suffix": {"max_cached_requests": 0}}})
+    assert suffix.roles == ("target",) and suffix.speculative.suffix.settings().max_cached_requests == 0
+    for key, value in (("max_tree_depth", 1), ("min_token_prob", 1.5), ("max_spec_factor", 0)):
+        with pytest.raises(ConfigError, match=f"speculative.suffix.{key}: {value} is invalid"):
+            parse_config({**data, "speculative": {"method": "suffix", "suffix": {key: value}}})
 
 
 yaml_scalars = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6), st.floats(allow_nan=True),

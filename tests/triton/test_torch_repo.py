@@ -3,12 +3,14 @@ ModelConfig."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from tritonclient.grpc import model_config_pb2 as mc
 
 from pipeline.config import parse_config
+from pipeline.methods import SuffixSettings
 from pipeline.triton import torch_repo
 from pipeline.triton.pbtxt import parse, to_text
 from tests.conftest import tiny_config_dict
@@ -25,6 +27,13 @@ def test_deploy_passes_the_method_to_the_served_engine(tiny_pair, tmp_path):
     model = torch_repo.model_config(config, "speculative_stream", True, tmp_path)
     params = {k: v.string_value for k, v in model.parameters.items()}
     assert params["method"] == "ngram+draft" and params["ngram_max_match"] == "3"
+    suffix = parse_config({**data, "speculative": {"method": "suffix", "suffix": {"max_cached_requests": 5,
+                                                                                   "min_token_prob": 0.25}}})
+    params = {k: v.string_value for k, v in torch_repo.model_config(suffix, "speculative_stream", True,
+                                                                    tmp_path).parameters.items()}
+    # model.py reads it back as SuffixSettings(**json.loads(...))
+    assert params["method"] == "suffix" and SuffixSettings(**json.loads(params["suffix"])) == SuffixSettings(
+        max_cached_requests=5, min_token_prob=0.25)
 
 
 def params(config: mc.ModelConfig) -> dict[str, str]:
