@@ -107,9 +107,14 @@ class SuffixSpec(_Section):
                                   description="Draft only tokens whose probability estimated from the trees' counts "
                                               "is at least this.")
 
+    tree: bool = Field(SuffixSettings.tree,
+                       description="Draft a tree: the likeliest continuations where the counts branch (up to K "
+                                   "tokens in all), verified in one target forward by the tree rules (torch "
+                                   "backend; the TensorRT-LLM executor drafts the chain).")
+
     def settings(self) -> SuffixSettings:
         return SuffixSettings(self.max_tree_depth, self.max_cached_requests, self.max_spec_factor,
-                              self.min_token_prob)
+                              self.min_token_prob, self.tree)
 
 
 def _token_tree(paths) -> TokenTree:

@@ -64,6 +64,7 @@ class SuffixSettings:
     max_cached_requests: int = 1000  # past outputs kept for every request to draft from (FIFO); 0: none
     max_spec_factor: float = 1.0  # a draft is at most this times its match's length (and at most K)
     min_token_prob: float = 0.1  # a drafted token's estimated probability (from the trees' counts) is at least this
+    tree: bool = False  # draft a tree of the likeliest continuations (the torch engine verifies it in one pass)
 
     def __post_init__(self):
         if self.max_tree_depth < 2:

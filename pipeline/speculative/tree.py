@@ -81,6 +81,21 @@ class TokenTree:
         return cls(tuple(ordered), torch.tensor(parent), torch.tensor([len(p) for p in ordered]),
                    torch.tensor([-1] + [p[-1] for p in ordered[1:]]), mask, children)
 
+    @classmethod
+    def from_parents(cls, parents: list[int]) -> tuple[TokenTree, list[int]]:
+        """A tree given as candidates in a parent-first order (``parents[i]``: the candidate before i it follows,
+        -1 for the root; siblings best first), and for each of its nodes after the root the candidate it is."""
+        paths: list[tuple[int, ...]] = []
+        children = [0] * (len(parents) + 1)  # per candidate (and the root, last): its children so far
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"parents: candidate {i} follows {parent}, which is not before it")
+            paths.append((paths[parent] if parent >= 0 else ()) + (children[parent],))
+            children[parent] += 1
+        tree = cls.from_choices([list(p) for p in paths])
+        where = {path: i for i, path in enumerate(paths)}
+        return tree, [where[path] for path in tree.paths[1:]]
+
     def path_to(self, node: int) -> list[int]:
         """Nodes from the root's first child down to ``node`` (empty for the root)."""
         path = []

@@ -13,7 +13,7 @@ import torch
 from pipeline.executor import SpeculativeExecutor, proposers
 from pipeline.executor.proposers import Proposer, choose_drafter
 from pipeline.executor.step_batch import StepBatch
-from pipeline.methods import Method, NgramSettings
+from pipeline.methods import Method, NgramSettings, SuffixSettings
 from pipeline.speculative.ngram import propose_ngram
 from tests.conftest import load_tiny_models, tiny_vocab_model
 
@@ -209,12 +209,25 @@ def test_ngram_needs_no_draft_and_draft_model_needs_one(pair):
     assert ex.method == "ngram" and ex.engine.draft is None
 
 
-@pytest.mark.parametrize("method, temperature, top_k", [("ngram", 0.8, 0), ("ngram+draft", 1.3, 4), ("suffix", 0.8, 0)])
-def test_sampled_output_follows_the_target_distribution(method, temperature, top_k):
-    """Lookups are one-hot proposals; the first two sampled tokens must still follow the target's exact joint
-    (TV < 0.07 at 3000 samples) and lookups must really have been proposed (the prompt repeats)."""
+REPEATS = [1, 2, 3, 1, 2, 3, 1, 2]
+# After (1, 2) come 3, 4 or 5: drafting after a 1 (one-token match, four times the match drafted) branches there.
+BRANCHES = [1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2]
+
+
+@pytest.mark.parametrize("method, temperature, top_k, prompt, tree", [
+    ("ngram", 0.8, 0, REPEATS, False), ("ngram+draft", 1.3, 4, REPEATS, False), ("suffix", 0.8, 0, REPEATS, False),
+    ("suffix", 1.1, 0, BRANCHES, True)], ids=["ngram", "ngram+draft", "suffix", "suffix-tree"])
+def test_sampled_output_follows_the_target_distribution(method, temperature, top_k, prompt, tree, monkeypatch):
+    """Lookups and the suffix trees' chains are one-hot proposals, their trees point masses; the first two sampled
+    tokens must still follow the target's exact joint (TV < 0.07 at 3000 samples) and drafts must really have been
+    proposed (the prompt repeats), as a tree where the test says so."""
+    from pipeline.executor.proposers import suffix as suffix_module
+
     target, draft = tiny_vocab_model(1), tiny_vocab_model(2)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    trees = []
+    real = suffix_module.TokenTree.from_parents
+    monkeypatch.setattr(suffix_module.TokenTree, "from_parents",
+                        lambda parents: trees.append(parents) or real(parents))
 
     def probs(ids):
         logits = target(torch.tensor([ids])).logits[0, -1].float() / temperature
@@ -226,9 +239,12 @@ def test_sampled_output_follows_the_target_distribution(method, temperature, top
         first = probs(prompt)
         exact = torch.stack([first[a] * probs(prompt + [a]) for a in range(6)]).flatten()
     ex = SpeculativeExecutor(target, draft if method == "ngram+draft" else None, None, max_draft_len=3,
-                             method=method, max_batch_size=32)
+                             method=method, max_batch_size=32,
+                             suffix=SuffixSettings(tree=True, max_spec_factor=4.0) if tree else None)
     n = 3000
-    results = ex.generate([prompt] * n, 2, temperature=temperature, top_k=top_k, seed=list(range(n)))
+    # A step drafts at most one token fewer than are left: a tree needs a third token to have two candidates.
+    results = ex.generate([prompt] * n, 3 if tree else 2, temperature=temperature, top_k=top_k,
+                          seed=list(range(n)))
     pairs = torch.tensor([r.token_ids[0] * 6 + r.token_ids[1] for r in results])
     tv = 0.5 * (torch.bincount(pairs, minlength=36).float() / n - exact).abs().sum().item()
     assert tv < 0.07, tv
@@ -236,6 +252,7 @@ def test_sampled_output_follows_the_target_distribution(method, temperature, top
     looked_up = sum(r.stats.by_proposer.get(lookup, [0, 0, 0])[0] for r in results)
     kept = sum(r.stats.by_proposer.get(lookup, [0, 0, 0])[1] for r in results)
     assert 0 < kept < looked_up
+    assert bool(trees) == tree
 
 
 def test_ngram_settings_are_used(pair):

@@ -80,6 +80,28 @@ def test_a_seeded_sampled_request_does_not_depend_on_earlier_requests(pair):
     assert _accepted(before) > 0
 
 
+def test_a_branching_draft_is_verified_as_a_tree(monkeypatch):
+    """speculative.suffix.tree: where the counts branch, the candidates go to the verify as a tree (greedy output
+    unchanged); without it the same prompts draft chains only."""
+    from pipeline.executor.proposers import suffix as suffix_module
+    from tests.conftest import tiny_vocab_model
+
+    target = tiny_vocab_model(1)
+    prompts = [[1, 2, 3, 1, 2, 4, 1, 2, 5, 1, 2], [3, 1, 2, 4, 3, 1, 2, 5, 3, 1]]
+    counts = {}
+    real = suffix_module.TokenTree.from_parents
+    for tree in (False, True):
+        made = []
+        monkeypatch.setattr(suffix_module.TokenTree, "from_parents", lambda parents: made.append(1) or real(parents))
+        ex = SpeculativeExecutor(target, None, None, max_draft_len=4, method="suffix",
+                                 suffix=SuffixSettings(tree=tree, max_spec_factor=4.0))
+        plain = ex.generate(prompts, 12, max_draft_len=0)
+        drafted = ex.generate(prompts, 12)
+        assert [r.token_ids for r in drafted] == [r.token_ids for r in plain]
+        counts[tree] = len(made)
+    assert counts[False] == 0 < counts[True]
+
+
 def _request(prompt, generated=(), rid=None, salt=None, seeded=False, temperature=0.0) -> SpecRequest:
     import torch
 

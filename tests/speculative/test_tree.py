@@ -52,6 +52,20 @@ def test_bad_choices_are_named(choices):
         TokenTree.from_choices(choices)
 
 
+def test_a_tree_given_by_parents_keeps_each_candidate_under_its_parent():
+    """Candidates in a parent-first order (a suffix tree's draft): 0 and 2 follow the root, 1 and 4 follow 0, 3
+    follows 1; siblings keep their order as ranks, and every node maps back to its candidate."""
+    parents = [-1, 0, -1, 1, 0]
+    tree, order = TokenTree.from_parents(parents)
+    assert tree.paths == ((), (0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    assert order == [0, 2, 1, 4, 3]
+    for node, candidate in enumerate(order, start=1):  # the node's parent is its candidate's parent
+        parent_node = int(tree.parent[node])
+        assert (order[parent_node - 1] if parent_node else -1) == parents[candidate]
+    with pytest.raises(ValueError, match="candidate 1 follows 3, which is not before it"):
+        TokenTree.from_parents([-1, 3])
+
+
 def test_a_node_sees_itself_and_its_ancestors_only():
     tree = TokenTree.from_choices(recorded_tree("mc_sim_7b_63"))
     for i, j in itertools.product(range(tree.size), repeat=2):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from ...methods import Method, SuffixSettings
 from ...speculative.ngram import one_hot_probs
+from ...speculative.tree import TokenTree
 from ..request import SpecRequest
 from ..step_batch import StepBatch
 from .base import Proposer, ProposerContext
@@ -48,8 +49,14 @@ class SuffixTrees:
         self._active: dict[int, _Active] = {}
 
     def draft(self, request: SpecRequest, k: int) -> list[int]:
-        """Up to ``k`` tokens continuing ``request``'s sequence (possibly none). The first call opens the request's
-        tree on its prompt; each call first adds the tokens it emitted since the last."""
+        """Up to ``k`` tokens continuing ``request``'s sequence (possibly none): the likeliest chain."""
+        return self.speculate(request, k, tree=False)[0]
+
+    def speculate(self, request: SpecRequest, k: int, tree: bool) -> tuple[list[int], list[int]]:
+        """Up to ``k`` candidate tokens and, for each, the candidate before it that it follows (-1: it follows the
+        sequence): a chain, or with ``tree`` the likeliest continuations in order of their estimated probability.
+        The first call opens the request's tree on its prompt; each call first adds the tokens it emitted since the
+        last."""
         active = self._active.get(request.id)
         if active is None:
             cache = self._own_trees() if _reproducible(request) else self._cache(request.cache_salt)
@@ -59,8 +66,8 @@ class SuffixTrees:
         settings = self.settings
         found = active.cache.speculate(request.id, request.sequence[-settings.max_tree_depth:], max_spec_tokens=k,
                                        max_spec_factor=settings.max_spec_factor,
-                                       min_token_prob=settings.min_token_prob)
-        return [int(token) for token in found.token_ids]
+                                       min_token_prob=settings.min_token_prob, use_tree_spec=tree)
+        return [int(token) for token in found.token_ids], [int(parent) for parent in found.parents]
 
     def release(self, request_id: int) -> None:
         """The request's whole output joins its salt's past outputs; its own tree is dropped."""
@@ -128,27 +135,42 @@ class SuffixProposer(Proposer):
 
     def __init__(self, context: ProposerContext):
         self.trees = SuffixTrees(context.suffix)
+        self.tree = context.suffix.tree
         self.vocab_size = context.vocab_size
         self.device = context.device
+        self._parents: dict[int, list[int]] = {}  # request id -> its candidates' parents this step (tree mode)
 
     def limit(self, batch: StepBatch, row: int, k: int) -> int:
         return len(self._draft(batch, row, k))
 
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
         for row in rows:
+            request = batch.requests[row]
             tokens = self._draft(batch, row, batch.k[row])
-            # Like a lookup, a tree's draft is deterministic: one-hot as a distribution, so rejection sampling keeps
-            # the target's distribution exactly.
-            probs = None if batch.requests[row].params.greedy else one_hot_probs(tokens, self.vocab_size, self.device)
+            parents = self._parents.pop(request.id, None)
+            if parents is not None and any(p != i - 1 for i, p in enumerate(parents[:len(tokens)])):
+                # A branching draft: its first K candidates (parents come first) as a tree, each a point mass,
+                # which the tree rules accept losslessly.
+                tree, order = TokenTree.from_parents(parents[:len(tokens)])
+                batch.put(row, [tokens[i] for i in order], None, self.method, tree)
+                continue
+            # Like a lookup, a chain is deterministic: one-hot as a distribution, so rejection sampling keeps the
+            # target's distribution exactly.
+            probs = None if request.params.greedy else one_hot_probs(tokens, self.vocab_size, self.device)
             batch.put(row, tokens, probs, self.method)
 
     def release(self, request_id: int) -> None:
         self.trees.release(request_id)
+        self._parents.pop(request_id, None)
 
     def _draft(self, batch: StepBatch, row: int, k: int) -> list[int]:
         """One speculation per row per step, at the first K asked for (the row's own, the largest); later calls take
-        its prefix."""
+        its first candidates (a chain's prefix; a tree's likeliest nodes, each after its parent)."""
         found = batch.lookups.get(row)
         if found is None:
-            found = batch.lookups[row] = self.trees.draft(batch.requests[row], k)
+            request = batch.requests[row]
+            found, parents = self.trees.speculate(request, k, self.tree)
+            batch.lookups[row] = found
+            if self.tree:
+                self._parents[request.id] = parents
         return found[:k]
