@@ -15,7 +15,10 @@ and on disk), so the compiled widths stop at a cap and wider forwards run eager.
 times candidate kernels per shape. Compiling a bucket of a real model takes tens of seconds, so every graph is
 exported and compiled once into a package (``.pt2``) under a folder named for everything the code depends on: the
 weights' bytes, the decoder's shapes, the compile settings, torch's version, the CPU and the thread count. The next
-start with the same key loads the packages instead (a damaged one is compiled again). Then every bucket is timed
+start with the same key loads the packages instead (a damaged one is compiled again). The packages hold the weights,
+so they are private to their owner (folders 0700, files 0600), and the store keeps the KEPT_KEYS most recently used
+keys' folders and any used within MAX_IDLE_DAYS: a model or torch update makes a new key, and each key costs a copy
+of the weights per bucket on disk. Then every bucket is timed
 and each width is sent to the cheapest bucket at least as wide (inductor's kernel for one row can be slower than
 its kernel for two), so no width costs more than a wider one. Compiled code has no guards and never recompiles: a
 step runs the graph its width is routed to or, wider than every bucket, the eager decoder.
@@ -26,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -40,6 +44,8 @@ from .llama_decoder import LlamaDecoder
 from .matmul_choice import KernelPlan, cpu_model
 
 TIMING_ROUNDS = 5
+KEPT_KEYS = 4  # package folders kept in a store whatever their age (the most recently used)
+MAX_IDLE_DAYS = 30  # beyond KEPT_KEYS, a folder unused this long is removed when another key warms up
 # The code a package is traced from: the key covers its text, so a changed layer or operator compiles anew.
 CODE = [Path(__file__), *(Path(__file__).with_name(name) for name in ("llama_decoder.py", "paged_attention.py",
                                                                        "matmul_choice.py")),
@@ -86,6 +92,24 @@ def _gpu(device: torch.device) -> list | None:
 def default_store() -> Path:
     """Where compiled packages are kept unless told otherwise: cache_root()/compiled."""
     return cache_root() / "compiled"
+
+
+def prune_store(store: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Remove the key folders of ``store`` that are neither ``keep``, nor among the KEPT_KEYS most recently used
+    (a folder's mtime, set at every warm-up that uses it), nor used within MAX_IDLE_DAYS; returns them."""
+    now = time.time() if now is None else now
+    used = []
+    for path in store.iterdir():
+        try:
+            if path.is_dir() and path != keep:
+                used.append((path.stat().st_mtime, path))
+        except FileNotFoundError:  # another process removed it meanwhile
+            continue
+    used.sort(reverse=True)
+    stale = [path for mtime, path in used[KEPT_KEYS - 1:] if now - mtime > MAX_IDLE_DAYS * 86400]
+    for folder in stale:
+        shutil.rmtree(folder, ignore_errors=True)  # another process may be removing it too
+    return stale
 
 
 class _Step(nn.Module):
@@ -148,6 +172,8 @@ class CompiledDecoder:
                     for size in self.sizes}  # ids, positions, keep: what export traces and the timing runs
         for size in tqdm(self.sizes, desc="compiled decoder buckets", unit="graph", leave=False, disable=None):
             self._graphs[size] = self._load_or_build(size, examples[size])
+        os.utime(self.folder)  # used now: what prune_store keeps
+        prune_store(self.store, self.folder)
         self._route(examples)
         self.warm_up_s = time.perf_counter() - start
         return self.warm_up_s
@@ -181,11 +207,13 @@ class CompiledDecoder:
         # Tracing runs the attention operator's fake kernel only; an empty plan keeps a real call harmless.
         with paged_attention.active(paged_attention.ForwardPlan([], 0), None), torch.inference_mode(False):
             program = torch.export.export(_Step(self.decoder), example, strict=False)
-        self.folder.mkdir(parents=True, exist_ok=True)
+        self.store.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.folder.mkdir(mode=0o700, exist_ok=True)
         partial = path.with_name(f".{path.stem}-{os.getpid()}.pt2")
         try:
             torch._inductor.aoti_compile_and_package(program, package_path=str(partial),
                                                      inductor_configs={**self.settings, **PACKAGE_SETTINGS})
+            partial.chmod(0o600)  # the weights, frozen in
             os.replace(partial, path)  # a reader sees the whole package or none
         finally:
             partial.unlink(missing_ok=True)  # a failed compile leaves no half-written package behind

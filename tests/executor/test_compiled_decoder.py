@@ -50,6 +50,25 @@ def test_the_package_key_covers_the_traced_code(tmp_path, monkeypatch):
     assert CompiledDecoder(decoder, 4, store=tmp_path).key() != before
 
 
+def test_the_store_keeps_recent_keys_and_prunes_old_ones(tmp_path):
+    """The key folder in use stays; of the others, the KEPT_KEYS - 1 most recently used stay whatever their age, and
+    beyond them only those used within MAX_IDLE_DAYS."""
+    from pipeline.executor import compiled_decoder
+
+    day, now = 86400, 1_000_000_000.0
+    ages = {"in-use": 400, "a": 100, "b": 200, "c": 300, "d": 5, "e": 500}  # days since last used
+    for name, age in ages.items():
+        (tmp_path / name).mkdir()
+        os.utime(tmp_path / name, (now - age * day, now - age * day))
+    (tmp_path / "not-a-key.txt").write_text("x")
+    removed = compiled_decoder.prune_store(tmp_path, tmp_path / "in-use", now=now)
+    # newest first: d (5), a (100), b (200) are the KEPT_KEYS - 1 = 3 kept; c (300) and e (500) are idle too long
+    assert compiled_decoder.KEPT_KEYS == 4 and sorted(p.name for p in removed) == ["c", "e"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b", "d", "in-use", "not-a-key.txt"]
+    os.utime(tmp_path / "b", (now - 40 * day, now - 40 * day))  # under the limit, old: kept while among the newest
+    assert compiled_decoder.prune_store(tmp_path, tmp_path / "in-use", now=now) == []
+
+
 def test_each_width_runs_on_the_cheapest_bucket_at_least_as_wide():
     assert cheapest_routes({1: 5.0, 2: 4.0, 4: 6.0, 8: 5.5}) == {1: 2, 2: 2, 4: 8, 8: 8}
     assert cheapest_routes({1: 3.0, 2: 4.0, 4: 4.0}) == {1: 1, 2: 2, 4: 4}  # a tie keeps the narrower
@@ -115,6 +134,9 @@ def test_a_second_start_loads_the_packages_and_new_weights_compile_anew(runners,
     again = CompiledDecoder(first.decoder, MAX_WIDTH, store=first.store)
     again.warm_up()
     assert again.built == 0 and again.folder == first.folder  # everything loaded, nothing compiled
+    # the packages hold the weights: private to their owner
+    assert first.folder.stat().st_mode & 0o777 == 0o700
+    assert {p.stat().st_mode & 0o777 for p in first.folder.glob("*.pt2")} == {0o600}
     ids, positions = torch.tensor([3, 1, 4]), torch.tensor([0, 1, 2])
     with torch.inference_mode():  # where the runner calls them (the pools are inference tensors)
         with paged_attention.active(*_plan(compiled, ids)):
