@@ -85,6 +85,8 @@ class _Computed:
     outcome: dict[int, tuple[list[int], int, list[int]]] = field(default_factory=dict)
     hidden_rows: list[int] = field(default_factory=list)  # rows whose proposer reads the target's hidden states
     hidden: torch.Tensor | None = None  # [rows, width, d] the target's final hidden states, for hidden_rows
+    # per forward row (decoding rows, then prefilling ones): the aux layers' outputs of its tokens [count, n, d]
+    aux: list | None = None
 
 
 class BatchingEngine:
@@ -92,12 +94,13 @@ class BatchingEngine:
                  engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
                  compile: bool | str = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
                  kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                 suffix: SuffixSettings | None = None):
+                 suffix: SuffixSettings | None = None, aux_layers: tuple[int, ...] = ()):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
         drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
         serving; a result never depends on it, see SpecRequest);
         ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``suffix``: the suffix trees'
-        settings for method suffix; ``medusa``: (MedusaHeads,
+        settings for method suffix; ``aux_layers``: target layers whose outputs the proposers that read them get for
+        every token the target keeps (Proposer.target_states); ``medusa``: (MedusaHeads,
         TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
         step's token budget; ``compile_max_width``: with ``compile``, the widest forward that runs compiled."""
         self.device = torch.device(device)
@@ -112,12 +115,12 @@ class BatchingEngine:
         # own packed copy of the weights; a wider forward (a prompt chunk, a full batch's verify) runs eager.
         max_width = capped_width(max_batch * self.spare, compile_max_width)
 
-        def runner(model, follow=None):
+        def runner(model, follow=None, aux=()):
             return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,
                                     self.kv.prefix_reuse, bool(compile), max_width=max_width,
-                                    autotune=compile == "max-autotune", follow=follow)
+                                    autotune=compile == "max-autotune", aux_layers=aux, follow=follow)
 
-        self.target = runner(target_model)
+        self.target = runner(target_model, aux=aux_layers)
         # The draft's KV lives in the target's blocks: one pool, one limit, one admission decision.
         self.draft = runner(draft_model, follow=self.target) if draft_model is not None else None
         self.max_blocks = max_blocks
@@ -134,6 +137,8 @@ class BatchingEngine:
         self.runners = [self.target, *dict.fromkeys(p.kv_runner for p in self.proposers.values()
                                                     if p.kv_runner is not None)]
         self._hidden_users = {method for method, proposer in self.proposers.items() if proposer.wants_hidden}
+        self._state_users = {method for method, proposer in self.proposers.items() if proposer.wants_states} \
+            if aux_layers else set()
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
         self.policy = DraftPolicy(engine_draft_len) if adaptive_draft_len and engine_draft_len > 0 else None
         if self.policy is not None:
@@ -327,7 +332,7 @@ class BatchingEngine:
         self.counters.prefill_tokens += sum(map(len, chunks))
         self.step_tokens = (self.step_tokens + [packed])[-64:]
         self._catch_up(prefilling)
-        computed = _Computed(batch, prefilling, start, packed)
+        computed = _Computed(batch, prefilling, start, packed, aux=self.target.aux_hidden)
         if not decoding:
             return computed
         logits, computed.hidden = out if hidden_rows else (out, None)
@@ -384,6 +389,7 @@ class BatchingEngine:
                 kept.append(row)
             except Exception as exc:  # noqa: BLE001 - this row's own failure
                 events.append((request, self._fail(request, exc)))
+        self._hand_states(computed, kept)
         hidden_rows = [row for row in computed.hidden_rows if row in kept]
         if hidden_rows:
             hidden = computed.hidden
@@ -396,6 +402,31 @@ class BatchingEngine:
         if batch.requests:
             self._record("target", computed.packed, time.perf_counter() - computed.start)
         return events
+
+    def _hand_states(self, computed: _Computed, kept: list[int]) -> None:
+        """The aux layers' outputs of the tokens each row keeps, to its proposer if it reads them (target_states):
+        a chunk's every token; a verify's input before its drafts, then its accepted drafts or tree path."""
+        if not self._state_users or computed.aux is None:
+            return
+        batch = computed.batch
+        rows = [(request, computed.aux[row], self._kept_positions(computed, row)) for row in kept
+                for request in [batch.requests[row]] if request.method in self._state_users]
+        rows += [(request, states, None) for request, states in zip(computed.prefilling,
+                                                                    computed.aux[len(batch.requests):])
+                 if request.method in self._state_users and not request.finished]
+        for request, states, positions in rows:
+            chosen = states if positions is None else states[torch.tensor(positions, device=states.device)]
+            self.proposers[request.method].target_states(request, chosen)
+
+    @staticmethod
+    def _kept_positions(computed: _Computed, row: int) -> list[int]:
+        """Indices into row ``row``'s verify input of the tokens it keeps."""
+        batch = computed.batch
+        _, accepted, path = computed.outcome[row]
+        before = int(batch.first_logit[row]) + 1  # the input before its drafts (the root last)
+        if batch.trees[row] is not None:
+            return list(range(before)) + [before - 1 + node for node in path]
+        return list(range(before + accepted))
 
     def _commit(self, request: SpecRequest) -> None:
         """The KV up to each runner's length is final: its full blocks become reusable."""

@@ -13,6 +13,7 @@ import torch
 from pipeline.executor import SpeculativeExecutor, proposers
 from pipeline.executor.proposers import Proposer, choose_drafter
 from pipeline.executor.step_batch import StepBatch
+from pipeline.speculative.tree import TokenTree
 from pipeline.methods import Method, NgramSettings, SuffixSettings
 from pipeline.speculative.ngram import propose_ngram
 from tests.conftest import load_tiny_models, tiny_vocab_model
@@ -54,6 +55,61 @@ def test_a_registered_proposer_drafts_without_engine_changes(pair, monkeypatch):
     assert mine.calls and max(len(rows) for rows in mine.calls) > 1  # one call drafts all its rows of a step
     sampled = ex.generate(prompts, 12, temperature=0.9, seed=3)  # one-hot proposals under rejection sampling
     assert all(r.stats.draft_tokens > 0 and len(r.token_ids) == 12 for r in sampled)
+
+
+class RecordStates(RepeatLastToken):
+    """A test drafter that reads the target's aux-layer states: it keeps what target_states hands it per request,
+    and drafts a chain or, every other step, a small tree (so both kinds of kept positions are exercised)."""
+
+    wants_states = True
+    TREE = TokenTree.from_choices([[0], [1], [0, 0]])
+
+    def __init__(self, context):
+        super().__init__(context)
+        self.states: dict[int, list[torch.Tensor]] = {}
+
+    def target_states(self, request, states) -> None:
+        self.states.setdefault(request.id, []).append(states)
+
+    def propose(self, batch: StepBatch, rows: list[int]) -> None:
+        self.calls.append(list(rows))
+        for row in rows:
+            last = batch.requests[row].sequence[-1]
+            if len(self.calls) % 2 and batch.k[row] >= 2 and batch.requests[row].params.greedy:
+                batch.put(row, [last, (last + 1) % self.vocab_size, last], None, self.method, self.TREE)
+            else:
+                batch.put(row, [last] * batch.k[row], None, self.method)
+
+
+def test_a_proposer_gets_the_aux_states_of_every_token_the_target_keeps(pair, monkeypatch):
+    """Prompt chunks (a small step budget) and verifies (chains and trees, accepted and rejected drafts): the states
+    handed over for a request, in order, are exactly the aux layers' outputs for its sequence but the last token,
+    as one plain forward over that sequence computes them."""
+    import functools
+
+    from pipeline.executor import speculative_executor
+    from pipeline.executor.batching_engine import BatchingEngine
+    from pipeline.executor.model_runner import BatchModelRunner
+    from pipeline.kv_settings import KVSettings
+
+    target, draft, tok = pair
+    monkeypatch.setitem(proposers.REGISTRY, Method.DRAFT_MODEL, lambda context, built: RecordStates(context))
+    monkeypatch.setattr(speculative_executor, "BatchingEngine", functools.partial(BatchingEngine, aux_layers=(0, 1)))
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=3, method="draft_model", max_batch_size=4,
+                             kv=KVSettings(block_size=4, prefix_reuse=False, step_tokens=12))
+    mine = ex.engine.proposers[Method.DRAFT_MODEL]
+    prompts = ["aaaa aaaa aaaa", "def f(x):\n    return x\n" * 2, "import os\n"]
+    results = ex.run([ex.new_request(p, 16) for p in prompts])
+    assert any(ex.engine.proposers[Method.DRAFT_MODEL].calls)
+    reference = BatchModelRunner(target, "cpu", 256, 4, 64, aux_layers=(0, 1))
+    for request_id, result in zip(sorted(mine.states), results):
+        got = torch.cat(mine.states[request_id])  # [n, 2, d]
+        sequence = ex.encode(prompts[results.index(result)]) + result.token_ids
+        reference.open(request_id, [])
+        reference.forward([request_id], [sequence[:-1]])
+        assert got.shape == reference.aux_hidden[0].shape, (got.shape, len(sequence))
+        assert (got - reference.aux_hidden[0]).abs().max() < 1e-4
+    assert len(mine.states) == len(prompts)
 
 
 def test_step_batch_lays_out_rows_padded():

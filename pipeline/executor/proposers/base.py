@@ -51,6 +51,7 @@ class Proposer(ABC):
     method: Method  # what the statistics record for the tokens it drafts
     uses_model: bool = False  # it runs draft forwards (the K policy adds their cost)
     wants_hidden: bool = False  # it drafts from the target's final hidden state: see verified()
+    wants_states: bool = False  # it reads the target's aux-layer states of every token kept: see target_states()
 
     verify_width = None  # a tree proposer: callable K -> tokens its verify takes at K (None: K + 1, a chain)
     kv_runner = None  # the BatchModelRunner holding this proposer's own KV per request (None: it keeps none)
@@ -67,6 +68,15 @@ class Proposer(ABC):
         """With ``wants_hidden``: after each verify, requests of this method that it advanced and the target's final
         hidden states [len(requests), d] at the last position each one accepted (a step may hand its rows over in
         several calls)."""
+
+    def target_states(self, request, states) -> None:
+        """With ``wants_states`` (and an engine made with ``aux_layers``): after each target forward that advanced
+        ``request`` (a prompt chunk, or a verify), the outputs of the aux layers for the tokens it keeps
+        [n, len(aux_layers), d], in sequence order, continuing where the last call ended: a chunk's tokens, or the
+        verify's input before its drafts, the accepted drafts (a tree: its accepted path) and nothing of the rest.
+        Over a request's life the calls cover every token of its sequence but the last one emitted, from the end of
+        the prompt prefix it reused from the cache (the target computed nothing there; a proposer keeping KV in the
+        target's blocks reuses its own KV of that prefix)."""
 
     def catch_up(self, requests: list) -> None:
         """With a ``kv_runner``: after a target forward that advanced these requests' prompts, bring their KV in
