@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from ..methods import Method
+from ..methods import Method, suffix_tree_problem
 from .measure import Sample, hf_sample, stream_sample
 from .records import finish_records, make_record
 from .timing import CostTerms, measure_call_costs, measure_costs
@@ -105,15 +105,13 @@ def _ours(executor, k: int | str | None, method: Method | None = None) -> Callab
 
 
 def _suffix_trees(executor):
-    """The executor's suffix trees, or None where it cannot run suffix decoding."""
-    from ..executor.proposers.suffix import SuffixTrees
-    from ..methods import suffix_tree_problem
-
+    """The executor's suffix trees (the torch engine's proposer's, or the TensorRT-LLM executor's own), or None
+    where they are not installed."""
     if suffix_tree_problem() is not None:
         return None
-    proposer = executor.engine.proposers.get(Method.SUFFIX) if hasattr(executor, "engine") else None
-    trees = proposer.trees if proposer is not None else getattr(executor, "suffix", None)
-    return trees if isinstance(trees, SuffixTrees) else None
+    if hasattr(executor, "engine"):
+        return executor.engine.proposers[Method.SUFFIX].trees
+    return executor.suffix
 
 
 def suffix_runner(executor, trees, k: int) -> Callable[[list[int], int], Sample]:

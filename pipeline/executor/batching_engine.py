@@ -409,14 +409,14 @@ class BatchingEngine:
         if not self._state_users or computed.aux is None:
             return
         batch = computed.batch
-        rows = [(request, computed.aux[row], self._kept_positions(computed, row)) for row in kept
-                for request in [batch.requests[row]] if request.method in self._state_users]
-        rows += [(request, states, None) for request, states in zip(computed.prefilling,
-                                                                    computed.aux[len(batch.requests):])
-                 if request.method in self._state_users and not request.finished]
-        for request, states, positions in rows:
-            chosen = states if positions is None else states[torch.tensor(positions, device=states.device)]
-            self.proposers[request.method].target_states(request, chosen)
+        for row in kept:
+            request, states = batch.requests[row], computed.aux[row]
+            if request.method in self._state_users:
+                positions = torch.tensor(self._kept_positions(computed, row), device=states.device)
+                self.proposers[request.method].target_states(request, states[positions])
+        for request, states in zip(computed.prefilling, computed.aux[len(batch.requests):]):  # chunks: every token
+            if request.method in self._state_users and not request.finished:
+                self.proposers[request.method].target_states(request, states)
 
     @staticmethod
     def _kept_positions(computed: _Computed, row: int) -> list[int]:

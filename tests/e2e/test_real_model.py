@@ -1,6 +1,6 @@
 """The pipeline on a real pretrained model (SmolLM2-135M-Instruct, float32: the shipped configs' dtype on a CPU):
-the engine's logits equal Hugging Face's, greedy output equals HF `generate` for target-only, n-gram and draft-model
-drafting, and check/build/run work from the shipped config with a chat prompt."""
+the engine's logits equal Hugging Face's, greedy output equals HF `generate` for target-only, n-gram, draft-model and
+suffix drafting, and check/build/run work from the shipped config with a chat prompt."""
 
 from __future__ import annotations
 
@@ -85,14 +85,16 @@ def test_engine_logits_match_hf(real_model_dir, target, chat_ids):
 # Each generates 3 x 48 tokens on the real model beside Hugging Face's own generate: slow (the quick loop keeps
 # test_engine_logits_match_hf on it).
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["target-only", "ngram", "draft_model"])
+@pytest.mark.parametrize("method", ["target-only", "ngram", "draft_model", "suffix"])
 def test_greedy_equals_hf_generate(real_model_dir, real_draft_dir, chat_ids, hf_greedy, method):
-    """At the shipped configs' K and n-gram settings; target-only is max_draft_len=0 on the same runtime."""
+    """At the shipped configs' K and n-gram settings (suffix: the n-gram config's K with the suffix trees'
+    defaults); target-only is max_draft_len=0 on the same runtime."""
     spec = load_config(REPO / "configs" / SHIPPED.get(method, SHIPPED["ngram"])).speculative
     k = 0 if method == "target-only" else spec.max_draft_len
     draft = real_draft_dir if method == "draft_model" else None
     ex = SpeculativeExecutor.from_pretrained(real_model_dir, draft, max_draft_len=spec.max_draft_len,
-                                             method=spec.method, acceptance=spec.acceptance,
+                                             method="suffix" if method == "suffix" else spec.method,
+                                             acceptance=spec.acceptance,
                                              ngram=NgramSettings(spec.ngram.min_match, spec.ngram.max_match))
     results = ex.generate(chat_ids, TOKENS, temperature=0.0, max_draft_len=k)
     eos = set(ex.eos_token_ids)

@@ -64,7 +64,7 @@ class SuffixTrees:
             active = self._active[request.id] = _Active(request, cache, 0)
         self._feed(active)
         settings = self.settings
-        found = active.cache.speculate(request.id, request.sequence[-settings.max_tree_depth:], max_spec_tokens=k,
+        found = active.cache.speculate(request.id, _tail(request, settings.max_tree_depth), max_spec_tokens=k,
                                        max_spec_factor=settings.max_spec_factor,
                                        min_token_prob=settings.min_token_prob, use_tree_spec=tree)
         return [int(token) for token in found.token_ids], [int(parent) for parent in found.parents]
@@ -89,9 +89,7 @@ class SuffixTrees:
 
     def forget_past_outputs(self) -> None:
         """Drop every salt's past outputs (a running request keeps its own tree and its salt's)."""
-        running = {id(active.cache) for active in self._active.values()}
-        for salt in [salt for salt, cache in self._caches.items() if id(cache) not in running]:
-            del self._caches[salt]
+        self._drop_idle(0)
 
     def _feed(self, active: _Active) -> None:
         new = active.request.generated[active.fed:]
@@ -103,7 +101,7 @@ class SuffixTrees:
         cache = self._caches.get(salt)
         if cache is None:
             cache = self._caches[salt] = self._new_cache(self.settings.max_cached_requests)
-            self._forget_salts()
+            self._drop_idle(MAX_SALTS)
         self._caches.move_to_end(salt)
         return cache
 
@@ -117,12 +115,19 @@ class SuffixTrees:
 
         return SuffixDecodingCache(self.settings.max_tree_depth, cached_requests)
 
-    def _forget_salts(self) -> None:
+    def _drop_idle(self, limit: int) -> None:
+        """Drop the least recently used salts' trees that no running request drafts from, down to ``limit``."""
         running = {id(active.cache) for active in self._active.values()}
         for salt in [salt for salt, cache in self._caches.items() if id(cache) not in running]:
-            if len(self._caches) <= MAX_SALTS:
+            if len(self._caches) <= limit:
                 break
             del self._caches[salt]
+
+
+def _tail(request: SpecRequest, n: int) -> list[int]:
+    """The last ``n`` tokens of the request's sequence, without building the whole sequence every step."""
+    tail = request.generated[-n:]
+    return tail if len(tail) == n else request.prompt_ids[-(n - len(tail)):] + tail
 
 
 def _reproducible(request: SpecRequest) -> bool:
@@ -135,7 +140,6 @@ class SuffixProposer(Proposer):
 
     def __init__(self, context: ProposerContext):
         self.trees = SuffixTrees(context.suffix)
-        self.tree = context.suffix.tree
         self.vocab_size = context.vocab_size
         self.device = context.device
         self._parents: dict[int, list[int]] = {}  # request id -> its candidates' parents this step (tree mode)
@@ -169,8 +173,9 @@ class SuffixProposer(Proposer):
         found = batch.lookups.get(row)
         if found is None:
             request = batch.requests[row]
-            found, parents = self.trees.speculate(request, k, self.tree)
+            tree = self.trees.settings.tree
+            found, parents = self.trees.speculate(request, k, tree)
             batch.lookups[row] = found
-            if self.tree:
+            if tree:
                 self._parents[request.id] = parents
         return found[:k]
