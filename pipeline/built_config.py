@@ -27,6 +27,8 @@ def role_config(config: PipelineConfig, role: str) -> dict:
     if role == "target" and config.has_medusa_heads:
         # Medusa heads are part of the target's engine (its convert takes them, its build verifies their tree).
         speculative["medusa"] = data["speculative"]["medusa"]
+    if role == "target" and config.has_eagle3_heads:
+        speculative["eagle3"] = data["speculative"]["eagle3"]  # the heads travel in the target's engine
     return {"name": config.name, "backend": config.backend, "model": data[role],
             "speculative": speculative, "build": data["build"]}
 

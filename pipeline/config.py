@@ -179,17 +179,27 @@ class MedusaSpec(_Section):
         return _token_tree(self.paths())
 
 
+class Eagle3Spec(_Section):
+    """EAGLE-3 heads on the target (``speculative.method: eagle3``): one layer over three of the target's layers'
+    hidden states drafts a chain with its own KV."""
+
+    model: str = Field(description="Folder of the heads in vLLM's Eagle3 layout (config.json and model.safetensors), "
+                                   "as `python -m pipeline train-draft CONFIG --kind eagle3` writes it; a relative "
+                                   "path resolves against the config file's folder.")
+
+
 class SpeculativeSpec(_Section):
     method: Method = Field(
         Method.DRAFT_MODEL,
         description="Who proposes draft tokens: 'draft_model' (the draft engine), 'ngram' (lookups in the prompt "
                     "and generated text; no draft model needed), 'ngram+draft' (per step and request, whichever "
                     "promises more tokens per unit of cost; lookups only where a match exists), 'medusa' (heads on "
-                    "the target), 'suffix' (suffix trees over the prompt, the output and recent outputs; no draft "
+                    "the target), 'eagle3' (EAGLE-3 heads reading the target's hidden states), 'suffix' (suffix trees over the prompt, the output and recent outputs; no draft "
                     "model needed). Changing it rebuilds nothing: it is a runtime choice.")
     ngram: NgramSpec = Field(default_factory=NgramSpec)
     suffix: SuffixSpec = Field(default_factory=SuffixSpec)
     medusa: MedusaSpec | None = Field(None, description="Required when method is 'medusa'.")
+    eagle3: Eagle3Spec | None = Field(None, description="Required when method is 'eagle3'.")
     max_draft_len: int = Field(4, description="K: draft tokens proposed per target step (medusa: the tree's depth "
                                               "decides, this is not read).")
     acceptance: Literal["greedy", "rejection"] = Field(
@@ -203,6 +213,9 @@ class SpeculativeSpec(_Section):
         if self.method.needs_medusa_heads and self.medusa is None:
             raise ValueError("speculative.medusa: required for speculative.method 'medusa'; add medusa: {model: "
                              "<heads folder>} (train them with `python -m pipeline train-draft CONFIG --kind medusa`)")
+        if self.method.needs_eagle3_heads and self.eagle3 is None:
+            raise ValueError("speculative.eagle3: required for speculative.method 'eagle3'; add eagle3: {model: "
+                             "<heads folder>} (train them with `python -m pipeline train-draft CONFIG --kind eagle3`)")
         return self
 
     @field_validator("max_draft_len")
@@ -380,6 +393,19 @@ class PipelineConfig(_Section):
         return self._base_dir
 
     @model_validator(mode="after")
+    def _eagle3_on_torch(self) -> PipelineConfig:
+        # TensorRT-LLM runs EAGLE-3 only in its PyTorch backend (the LLM API's speculative_config), not in the engine
+        # flow this backend drives, and no source of the pinned release could be recorded to test generated LLM-API
+        # settings against: refuse rather than emit untested ones.
+        if self.backend == "trtllm" and self.speculative.method.needs_eagle3_heads:
+            raise ValueError("speculative.method: 'eagle3' is not built for backend trtllm: TensorRT-LLM 1.1.0's engine "
+                             "flow (trtllm-build) has no EAGLE-3, only its PyTorch backend does, which this pipeline "
+                             "does not generate; use backend: torch with the same heads, or serve the heads folder with "
+                             "trtllm-serve (--extra_llm_api_options with speculative_config: {decoding_type: Eagle, "
+                             "speculative_model_dir: HEADS}) or vLLM (--speculative-config with method eagle3)")
+        return self
+
+    @model_validator(mode="after")
     def _draft_for_method(self) -> PipelineConfig:
         if self.draft is None and self.speculative.method.needs_draft_model:
             raise ValueError(f"draft: required for speculative.method {self.speculative.method.value!r}; add a draft "
@@ -410,6 +436,18 @@ class PipelineConfig(_Section):
     def medusa_dir(self) -> Path:
         """The heads folder of speculative.medusa, resolved against the config's folder."""
         folder = Path(self.speculative.medusa.model).expanduser()
+        return Path(os.path.normpath(folder if folder.is_absolute() else self.base_dir / folder))
+
+    @property
+    def has_eagle3_heads(self) -> bool:
+        """The target's engine carries EAGLE-3 heads: method eagle3, or on torch any config with an eagle3 section
+        (its requests may then pick method eagle3)."""
+        eagle3 = self.speculative.eagle3 is not None
+        return eagle3 and (self.speculative.method.needs_eagle3_heads or self.backend == "torch")
+
+    def eagle3_dir(self) -> Path:
+        """The heads folder of speculative.eagle3, resolved against the config's folder."""
+        folder = Path(self.speculative.eagle3.model).expanduser()
         return Path(os.path.normpath(folder if folder.is_absolute() else self.base_dir / folder))
 
     @property

@@ -27,8 +27,8 @@ class Layout:
         return self.stage_dir(role, "build")
 
     def distill_dir(self, part: str) -> Path:
-        """train-draft's work: ``dataset`` (the target's generations), ``state`` and ``medusa-state`` (a draft
-        model's and Medusa heads' checkpoints for --resume)."""
-        if part not in ("dataset", "state", "medusa-state"):
+        """train-draft's work: ``dataset`` (the target's generations), ``state``, ``medusa-state`` and
+        ``eagle3-state`` (a draft model's, Medusa heads' and EAGLE-3 heads' checkpoints for --resume)."""
+        if part not in ("dataset", "state", "medusa-state", "eagle3-state"):
             raise ValueError(f"no distill folder {part!r}")
         return self.root / "distill" / part

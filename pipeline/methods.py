@@ -16,6 +16,7 @@ class Method(StrEnum):
     MEDUSA = "medusa"  # heads on the target's last hidden state propose a tree, verified in one target pass
     # the most frequent continuation in suffix trees over the request's prompt and output and over recent outputs
     SUFFIX = "suffix"
+    EAGLE3 = "eagle3"  # one layer over three of the target's layers' hidden states drafts a chain (EAGLE-3 heads)
 
     @property
     def needs_draft_model(self) -> bool:
@@ -25,8 +26,13 @@ class Method(StrEnum):
     def needs_medusa_heads(self) -> bool:
         return self is Method.MEDUSA
 
+    @property
+    def needs_eagle3_heads(self) -> bool:
+        return self is Method.EAGLE3
 
-def parse_method(value: object, has_draft_model: bool, error=ValueError, has_medusa_heads: bool = False) -> Method:
+
+def parse_method(value: object, has_draft_model: bool, error=ValueError, has_medusa_heads: bool = False,
+                 has_eagle3_heads: bool = False) -> Method:
     """``value`` as a Method this runtime can serve; raises ``error`` naming the value and the fix."""
     try:
         method = Method(value)
@@ -39,6 +45,10 @@ def parse_method(value: object, has_draft_model: bool, error=ValueError, has_med
     if method.needs_medusa_heads and not has_medusa_heads:
         raise error(f"method: 'medusa' needs Medusa heads, and there are none; build with speculative.method: medusa "
                     f"(heads from `python -m pipeline train-draft CONFIG --kind medusa`), or use 'ngram'")
+    if method.needs_eagle3_heads and not has_eagle3_heads:
+        raise error("method: 'eagle3' needs EAGLE-3 heads, and there are none; build with speculative.method: eagle3 "
+                    "and eagle3: {model: HEADS_DIR} (heads from `python -m pipeline train-draft CONFIG --kind "
+                    "eagle3`), or use 'ngram'")
     return method
 
 

@@ -42,11 +42,14 @@ def convert_role(config: PipelineConfig, layout: Layout, role: str, force: bool 
     inputs = {"model_files": files, "revision": model.revision}
     if role == "target" and config.has_medusa_heads:
         inputs["medusa_files"] = content_hashes(config.medusa_dir())
+    if role == "target" and config.has_eagle3_heads:
+        inputs["eagle3_files"] = content_hashes(config.eagle3_dir())
     backend = get_backend(config.backend)
     role_cfg = role_config(config, role)
-    medusa = role_cfg.pop("speculative").get("medusa")  # a conversion does not depend on K
-    if medusa is not None:
-        role_cfg["medusa"] = medusa
+    speculative = role_cfg.pop("speculative")  # a conversion does not depend on K
+    for heads in ("medusa", "eagle3"):
+        if speculative.get(heads) is not None:
+            role_cfg[heads] = speculative[heads]
     return run_stage("convert", role, layout.stage_dir(role, "convert"), inputs, role_cfg,
                      lambda tmp: backend.convert(config, role, model, tmp), force=force, verify=verify)
 

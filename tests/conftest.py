@@ -39,6 +39,17 @@ def tiny_pair(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def deep_pair(tmp_path_factory) -> Path:
+    """A tiny pair whose target has 5 layers: EAGLE-3 heads fuse three layers below the last."""
+    from pipeline.tinymodels import TinyModelShape, TinyPairSpec, make_tiny_pair
+
+    out = tmp_path_factory.mktemp("deep_pair")
+    make_tiny_pair(out, TinyPairSpec(target=TinyModelShape(96, 5, 4, 2, 256), target_steps=40, draft_steps=1,
+                                     text_bytes=600_000, batch_size=8))
+    return out
+
+
 def tiny_config_dict(pair: Path, name: str = "tiny-test", **overrides) -> dict:
     data = {
         "name": name,

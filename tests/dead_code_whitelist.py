@@ -16,6 +16,7 @@ _._draft_for_method
 _._known_tree
 _._depth_fits
 _._medusa_heads
+_._eagle3_on_torch
 _._quantization_on_backend
 
 # Dataclass fields read through asdict(): results.json's cost terms, a tiny pair's LlamaConfig (pipeline/tinymodels.py).

@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("executor/",),
     ("checks", "backends/"),
     ("models", "engine_info", "built_config", "gguf"),
-    ("config", "artifacts", "yaml_loader", "quantize", "medusa_heads"),
+    ("config", "artifacts", "yaml_loader", "quantize", "medusa_heads", "eagle3_heads"),
     ("openai_api/",),
     ("front/",),
     ("serving_contract",),

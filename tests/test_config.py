@@ -301,6 +301,37 @@ def test_medusa_needs_its_heads_and_a_tree_that_fits_them():
             parse_config(data)
 
 
+def test_eagle3_needs_its_heads_and_the_torch_backend():
+    base = minimal(speculative={"method": "eagle3", "eagle3": {"model": "heads"}})
+    base.pop("draft")
+    config = parse_config(base)
+    assert config.roles == ("target",) and config.has_eagle3_heads
+    assert config.eagle3_dir() == config.base_dir / "heads"
+    for message, data in (("required for speculative.method 'eagle3'", {"speculative": {"method": "eagle3"}}),
+                          ("is not built for backend trtllm", {"backend": "trtllm", "speculative": {
+                              "method": "eagle3", "eagle3": {"model": "h"}}})):
+        data = minimal(**data)
+        data.pop("draft")
+        with pytest.raises(ConfigError, match=message):
+            parse_config(data)
+
+
+def test_the_eagle3_configs_train_their_heads_before_building():
+    """`make build-engines` with the EAGLE-3 configs trains the heads the config names, first."""
+    import re
+    import subprocess
+
+    repo = CONFIGS[0].parents[1]
+    for name in ("smollm2-135m-eagle3.yaml", "smollm2-135m-drafters.yaml"):
+        config = load_config(repo / "configs" / name)
+        plan = subprocess.run(["make", "-n", "-B", "build-engines", f"CONFIG=configs/{name}"], cwd=repo,
+                              capture_output=True, text=True, check=True).stdout.splitlines()
+        train = next(i for i, line in enumerate(plan) if "--kind eagle3" in line)
+        assert train < next(i for i, line in enumerate(plan) if "-m pipeline build" in line)
+        trained = load_config(repo / re.search(r"train-draft (configs/\S+\.yaml)", plan[train]).group(1))
+        assert trained.eagle3_dir() == config.eagle3_dir(), name
+
+
 def test_medusa_default_tree_is_cut_to_the_heads_but_a_written_tree_is_not():
     """medusa: {heads: 3} without choices: the default tree (4 deep) loses its depth-4 nodes instead of being
     refused; a tree the user wrote that is deeper than the heads is still an error naming the fix."""

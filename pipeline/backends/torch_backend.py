@@ -13,6 +13,7 @@ from pathlib import Path
 from ..config import PipelineConfig
 from ..decoder_support import runner_for
 from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
+from .. import eagle3_heads
 from ..medusa_heads import CONFIG_FILE, ENGINE_SUBDIR, HEADS_FILE
 from ..models import ResolvedModel, load_causal_lm, load_tokenizer
 
@@ -25,13 +26,21 @@ def convert(config: PipelineConfig, role: str, model: ResolvedModel, out_dir: Pa
     facts = {"source": model.provenance()}
     if role == "target" and config.has_medusa_heads:
         facts["medusa"] = _copy_heads(config.medusa_dir(), out_dir / ENGINE_SUBDIR)
+    if role == "target" and config.has_eagle3_heads:
+        facts["eagle3"] = _copy_heads(config.eagle3_dir(), out_dir / eagle3_heads.ENGINE_SUBDIR, EAGLE3_FILES)
     return facts
 
 
-def _copy_heads(src: Path, dst: Path) -> str:
-    """Medusa heads travel with the target's checkpoint and engine, as files (checked by `check` beforehand)."""
+MEDUSA_FILES = (HEADS_FILE, CONFIG_FILE)
+EAGLE3_FILES = (eagle3_heads.WEIGHTS_FILE, eagle3_heads.CONFIG_FILE)
+HEADS = ((ENGINE_SUBDIR, MEDUSA_FILES, "Medusa"), (eagle3_heads.ENGINE_SUBDIR, EAGLE3_FILES, "EAGLE-3"))
+
+
+def _copy_heads(src: Path, dst: Path, names: tuple[str, ...] = MEDUSA_FILES) -> str:
+    """Heads (Medusa, EAGLE-3) travel with the target's checkpoint and engine, as files (checked by `check`
+    beforehand)."""
     dst.mkdir(parents=True)
-    for name in (HEADS_FILE, CONFIG_FILE):
+    for name in names:
         shutil.copy2(src / name, dst / name)
     return str(src)
 
@@ -41,8 +50,9 @@ def engine_limits(config: PipelineConfig, role: str) -> dict:
 
 
 def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> list[str]:
-    heads = [f"copy the Medusa heads {checkpoint_dir / ENGINE_SUBDIR} to {out_dir / ENGINE_SUBDIR}"] \
-        if role == "target" and config.has_medusa_heads else []
+    carried = {ENGINE_SUBDIR: config.has_medusa_heads, eagle3_heads.ENGINE_SUBDIR: config.has_eagle3_heads}
+    heads = [f"copy the {kind} heads {checkpoint_dir / sub} to {out_dir / sub}" for sub, _, kind in HEADS
+             if role == "target" and carried[sub]]
     mode = config.build.quantization.of(role)
     quantized = [f"measure the {mode} model's logit error against float32 (the engine keeps full weights; the "
                  f"executor quantizes them on load)"] if mode != "none" else []
@@ -56,8 +66,9 @@ def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path
     lm = load_causal_lm(checkpoint, spec.dtype, progress=True)
     lm.save_pretrained(out_dir, safe_serialization=True)
     load_tokenizer(checkpoint).save_pretrained(out_dir)
-    if (checkpoint_dir / ENGINE_SUBDIR).is_dir():
-        _copy_heads(checkpoint_dir / ENGINE_SUBDIR, out_dir / ENGINE_SUBDIR)
+    for sub, names, _ in HEADS:
+        if (checkpoint_dir / sub).is_dir():
+            _copy_heads(checkpoint_dir / sub, out_dir / sub, names)
     limits = engine_limits(config, role)
     limits["architecture"] = type(lm).__name__
     limits["vocab_size"] = lm.get_output_embeddings().weight.shape[0]

@@ -77,6 +77,9 @@ def _add_profile_parser(sub, common) -> None:
     p.add_argument("--medusa", action="append", default=[], metavar="HEADS",
                    help="candidate Medusa heads folder (train-draft --kind medusa); repeatable; default: the config's "
                         "speculative.medusa.model when it has one")
+    p.add_argument("--eagle3", action="append", default=[], metavar="HEADS",
+                   help="candidate EAGLE-3 heads folder (train-draft --kind eagle3); repeatable; default: the config's "
+                        "speculative.eagle3.model when it has one")
     p.add_argument("--tree", action="append", default=[], metavar="CHOICES",
                    help="Medusa tree to try with each heads folder: a named tree or a JSON list of paths; "
                         "repeatable (default: the config's choices, else every named tree)")

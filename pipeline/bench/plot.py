@@ -24,6 +24,7 @@ POINTS = {
     "ngram+draft": ("n-gram or draft, per step", "v", "C4", 0.2),
     "medusa": ("Medusa heads (K = tree depth)", "P", "C5", 0.0),
     "suffix": ("suffix decoding", "h", "C9", -0.25),
+    "eagle3": ("EAGLE-3 heads", "p", "tab:olive", 0.05),
     "hf_assisted": ("HF assisted generation, its best K", "X", "C6", 0.1),
     "hf_lookup": ("HF prompt lookup", "*", "C8", 0.25),
     "hf_target": ("HF generate(), target only", "x", "C7", 0.15),

@@ -19,6 +19,8 @@ Beside the drafts it measures the proposers that need no draft model, on the sam
   medusa:TREE  Medusa heads (--medusa, one run per tree in --tree): a tree step's cost is not a chain's K c + v_K,
                so it is timed: target-only and Medusa decode the same prompts at batch 1, interleaved over
                MEDUSA_ROUNDS rounds, each prompt keeping its best; the speedup is the measured ratio (on this machine).
+  eagle3:HEADS EAGLE-3 heads (--eagle3, default the config's): acceptance per position from one run at k_max,
+               priced like a draft model with the engine's own measured c (eagle3_profile.py).
 The recommendation names the method (speculative.method) as well as the draft and K (or the tree). When the prompts
 file carries more than one set label, each set gets its own recommendation too, from the same generations grouped
 by label (profile_results.py).
@@ -36,9 +38,10 @@ from ..errors import PipelineError
 from ..methods import Method, suffix_tree_problem
 from ..speculative.tree_choices import NAMED_TREES
 from .arg_checks import check_range
+from .eagle3_profile import profile_eagle3
 from .medusa_profile import tune_tree
 from .profile_results import (MEDUSA_ROUNDS, DraftProfile, SetFigures, by_label, chain_figures, format_per_set,
-                              format_profiles, merged, per_set_recommendations, recommendation)
+                              format_profiles, merged, per_set_recommendations, recommendation, timing_context)
 
 
 def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, prompts: list[str | list[int]],
@@ -65,7 +68,7 @@ def profile_draft(target_path: Path, draft_name: str, draft_path: Path | None, p
     if len(stats.acceptance_by_position) < k_max:
         return DraftProfile(draft_name, "unavailable", f"only {len(stats.acceptance_by_position)} draft positions "
                                                        f"measured; raise --max-new-tokens above --k-max {k_max}")
-    costs = measure_costs(executor.target, executor.draft, _context(ids, results, k_max), k_max,
+    costs = measure_costs(executor.target, executor.draft, timing_context(ids, results, k_max), k_max,
                           repeats=cost_repeats)
     c, verify = costs.cost_ratio_c, costs.verify_cost_ratio
     every = chain_figures([r.stats for r in results], k_max, c, verify)
@@ -89,7 +92,7 @@ def profile_lookup(target_path: Path, prompts: list[str | list[int]], labels: li
                                                    dtype=dtype, method=method)
     ids = [fit_prompt(executor, p, max_new_tokens) for p in prompts]
     results = executor.generate(ids, max_new_tokens, temperature=0.0, max_draft_len=k_max)
-    costs = measure_costs(executor.target, None, _context(ids, results, k_max), k_max, repeats=cost_repeats)
+    costs = measure_costs(executor.target, None, timing_context(ids, results, k_max), k_max, repeats=cost_repeats)
     verify = costs.verify_cost_ratio
     # Per target step, not per proposal: a step where nothing matched emits one token at full cost.
     every = chain_figures([r.stats for r in results], k_max, 0.0, verify, per_step=True)
@@ -169,12 +172,6 @@ def _hybrid_figures(stats: list, draft: DraftProfile, k_max: int) -> tuple[SetFi
             draft_steps / max(draft_steps + lookup_steps, 1))
 
 
-def _context(ids, results, k_max: int) -> list[int]:
-    # The longest prompt plus its generated tokens gives a realistic attention length to time at.
-    context = max((p + r.token_ids for p, r in zip(ids, results)), key=len)
-    return context if len(context) >= k_max + 1 else (context * (k_max + 1))[:k_max + 1]
-
-
 def _resolve_draft(name: str, config) -> Path | None:
     """The config's own draft resolves against the config's folder; --draft values against the working folder."""
     from ..config import ModelSpec
@@ -226,6 +223,9 @@ def cmd_profile(args) -> int:
     config, device, target, prompts, labels = _load(args)
     profiles = _profile_drafts(args, config, device, target, prompts, labels)
     profiles += _profile_medusa_heads(args, config, device, target, prompts, labels)
+    eagle3 = [Path(h) for h in args.eagle3] or ([config.eagle3_dir()] if config.has_eagle3_heads else [])
+    profiles += [profile_eagle3(target, heads, prompts, labels, args.k_max, args.max_new_tokens, device,
+                                config.target.dtype) for heads in eagle3]
     if not args.no_ngram:
         profiles.append(profile_lookup(target, prompts, labels, args.k_max, args.max_new_tokens, device,
                                        config.target.dtype))
@@ -273,7 +273,8 @@ def _profile_drafts(args, config, device: str, target: Path, prompts: list, labe
     from tqdm import tqdm
 
     profiles = []
-    names = args.draft or ([config.draft.model] if config.draft is not None and not args.medusa else [])
+    names = args.draft or ([config.draft.model] if config.draft is not None and not args.medusa and not args.eagle3
+                           else [])
     for name in tqdm(names, desc="profile", unit="draft"):
         path = _resolve_draft(name, config)
         draft_dtype = _draft_dtype(name, path, config, device)

@@ -76,6 +76,12 @@ class DraftProfile:
                 f"+ {self.verify_cost_ratio[k - 1]:.2f}) = {self.best_speedup:.2f}x")
 
 
+def timing_context(ids, results, k_max: int) -> list[int]:
+    """The longest prompt plus its generated tokens: a realistic attention length to time the verify at."""
+    context = max((p + r.token_ids for p, r in zip(ids, results)), key=len)
+    return context if len(context) >= k_max + 1 else (context * (k_max + 1))[:k_max + 1]
+
+
 def merged(stats: list):
     """GenerationStats of several requests added together."""
     total = stats[0]
@@ -130,6 +136,9 @@ def recommendation(profiles: list[DraftProfile], scope: str = "") -> str:
     if best.method == Method.NGRAM_DRAFT:
         return (f"{lead} speculative.method: ngram+draft with draft {best.draft.removeprefix('ngram+')} and "
                 f"speculative.max_draft_len: {best.best_k} {gain}")
+    if best.method == Method.EAGLE3:
+        return (f"{lead} speculative.method: eagle3 with eagle3: {{model: {best.draft.removeprefix('eagle3:')}}} "
+                f"and speculative.max_draft_len: {best.best_k} {gain}")
     return (f"{lead} speculative.method: draft_model with draft {best.draft} and speculative.max_draft_len: "
             f"{best.best_k} {gain}")
 

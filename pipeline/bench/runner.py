@@ -11,6 +11,7 @@ Methods (all greedy, batch 1):
                its round, never from its own earlier runs (a repeat of the same prompt would find its answer there)
   medusa       our runtime, Medusa heads' candidate tree verified in one pass (engines built with method medusa;
                K = the tree's depth); acceptance_by_position is then per tree depth
+  eagle3       our runtime, EAGLE-3 heads' chain at each K of the sweep (engines built with an eagle3 section)
   adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy caps K per step from measured costs
                and each request's recent acceptance (torch runtime), with the executor's method
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
@@ -92,6 +93,8 @@ def build_methods(executor, options: BenchOptions) -> list[BenchMethod]:
         depth = executor.engine.proposers[Method.MEDUSA].tree.max_depth if hasattr(executor, "engine") \
             else executor.max_draft_len
         methods.append(BenchMethod(Method.MEDUSA.value, depth, ours(depth, Method.MEDUSA)))
+    if getattr(executor, "has_eagle3_heads", False):
+        methods += [BenchMethod(Method.EAGLE3.value, k, ours(k, Method.EAGLE3)) for k in options.swept()]
     if hasattr(executor, "engine"):
         methods.append(BenchMethod("adaptive", "policy", adaptive_runner(executor)))
     if not options.skip_hf:

@@ -10,7 +10,10 @@ continues a killed run from the last one). The output folder appears whole or no
 
 ``--kind medusa`` trains Medusa heads on the frozen target instead, from the same dataset (``train_medusa.py``),
 into ``models/<config name>-medusa-heads`` in the layout TensorRT-LLM's Medusa converter reads
-(pipeline/medusa_heads.py), checkpoints in ``engines/<name>/distill/medusa-state``.
+(pipeline/medusa_heads.py), checkpoints in ``engines/<name>/distill/medusa-state``. ``--kind eagle3`` trains
+EAGLE-3 heads on the frozen target (``train_eagle3.py``: one layer over three target layers' hidden states, with
+training-time test) into ``speculative.eagle3.model`` of an eagle3 config, else ``models/<config name>-eagle3-heads``,
+in vLLM's Eagle3 layout (pipeline/eagle3_heads.py), checkpoints in ``engines/<name>/distill/eagle3-state``.
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import json
 from pathlib import Path
 
 from ..errors import PipelineError
+from .cli_eagle3 import EAGLE3_VOCAB
+from .plot import PLOT_FILE
 
 DEFAULT_PROMPTS = 256
 PROMPT_TOKENS = 48
-PLOT_FILE = "training.png"
 MODEL_LR = 3e-4
 MEDUSA_LR = 1e-3
 TOP_K = 32  # target probabilities kept per position (the rest of the mass is renormalised away)
@@ -38,8 +42,10 @@ def add_train_parser(sub, common) -> None:
     p.add_argument("--num-prompts", type=int, default=DEFAULT_PROMPTS,
                    help=f"prompts cut from local text when no --prompts file is given (default {DEFAULT_PROMPTS}); "
                         f"more prompts, more distinct training data, longer generation")
-    p.add_argument("--layers", type=int, help="decoder layers of the draft, taken from the target (default: a "
-                   "quarter of the target's, at least 1)")
+    p.add_argument("--layers", help="--kind model: decoder layers of the draft, taken from the target (default: a "
+                   "quarter of the target's, at least 1). --kind eagle3: the target layers whose outputs the heads "
+                   "fuse, 0-based and comma-separated (default: after layer 1, the middle one and the fourth from "
+                   "the end)")
     p.add_argument("--vocab", type=int, help="train the draft's LM head over only the N target tokens the target "
                    "writes most (its head's cost drops by V/N; lossless: the draft proposes only those tokens). "
                    "Default: the whole vocabulary")
@@ -53,11 +59,15 @@ def add_train_parser(sub, common) -> None:
                                             f"Medusa heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
-    p.add_argument("--kind", choices=("model", "medusa"), default="model",
+    p.add_argument("--ttt-steps", type=int, help="--kind eagle3: draft steps unrolled per position in training "
+                   "(training-time test; default 5)")
+    p.add_argument("--kind", choices=("model", "medusa", "eagle3"), default="model",
                    help="what to train: a draft model (default) or Medusa heads on the frozen target (written in the "
                         "layout TensorRT-LLM's Medusa converter reads; default out: speculative.medusa.model of a "
                         "medusa config, else models/<name>-medusa-heads; --vocab N: the heads propose from the N "
-                        "tokens the target writes most)")
+                        "tokens the target writes most); or EAGLE-3 heads (one layer over three target layers' hidden "
+                        "states, in vLLM's Eagle3 layout; default out: speculative.eagle3.model of an eagle3 config, "
+                        f"else models/<name>-eagle3-heads; --vocab default {EAGLE3_VOCAB})")
     p.add_argument("--heads", type=int, help="--kind medusa: heads, head h predicting h + 2 tokens ahead (default: "
                                              "speculative.medusa.heads of a medusa config, else 4)")
     p.add_argument("--head-layers", type=int, help="--kind medusa: residual blocks per head (default: "
@@ -82,6 +92,15 @@ def _prompts(args, tokenizer, target_source: str) -> list[list[int]]:
     return text_prompts(tokenizer, texts, args.num_prompts, PROMPT_TOKENS, args.seed)
 
 
+def _layer_list(value: str | None, what: str) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise PipelineError(f"--layers: {value!r} is not {what}") from None
+
+
 def cmd_train_draft(args) -> int:
     from ..config import load_config
     from ..layout import Layout
@@ -89,13 +108,18 @@ def cmd_train_draft(args) -> int:
 
     for name, value, low in (("--tokens", args.tokens, 1), ("--new-tokens", args.new_tokens, 1),
                              ("--vocab", args.vocab, 1), ("--num-prompts", args.num_prompts, 1),
-                             ("--heads", args.heads, 1), ("--head-layers", args.head_layers, 0)):
+                             ("--heads", args.heads, 1), ("--head-layers", args.head_layers, 0),
+                             ("--ttt-steps", args.ttt_steps, 1)):
         if value is not None and value < low:
             raise PipelineError(f"{name}: {value} must be >= {low}")
-    if args.kind == "medusa":
-        if args.layers is not None:
-            raise PipelineError("--layers: applies to --kind model only; Medusa heads take --heads and "
-                                "--head-layers")
+    if args.kind == "medusa" and args.layers is not None:
+        raise PipelineError("--layers: applies to --kind model and eagle3; Medusa heads take --heads and "
+                            "--head-layers")
+    if args.kind != "eagle3" and args.ttt_steps is not None:
+        raise PipelineError("--ttt-steps: applies to --kind eagle3 only")
+    layers = _layer_list(args.layers, "a layer count" if args.kind == "model" else "comma-separated layer ids")
+    if args.kind == "model" and layers is not None and len(layers) != 1:
+        raise PipelineError(f"--layers: {args.layers!r} is not a layer count (--kind model takes one number)")
     config = load_config(args.config)
     layout = Layout.for_config(config, args.engines_dir)
     target_model = resolve_model(config.target, "target", config.base_dir, with_weights=True)
@@ -105,19 +129,40 @@ def cmd_train_draft(args) -> int:
     if args.vocab is not None and args.vocab > vocab_size:
         raise PipelineError(f"--vocab: {args.vocab} is above the target's {vocab_size} tokens; give fewer, or leave "
                             f"--vocab out to keep the whole vocabulary")
-    layers = None
     if args.kind == "model":
         from .draft_init import default_layers
 
         try:
             layers = default_layers(target.config.num_hidden_layers,
-                                    args.layers or max(1, target.config.num_hidden_layers // 4))
+                                    layers[0] if layers else max(1, target.config.num_hidden_layers // 4))
         except ValueError as exc:
             raise PipelineError(str(exc)) from None
+    elif args.kind == "eagle3":
+        layers = _eagle3_layers(layers, target.config.get_text_config().num_hidden_layers)
     data, data_key = _dataset(args, config, layout, target_model, tokenizer, target)
     if args.kind == "medusa":
         return _train_medusa(args, config, layout, target, data, data_key)
+    if args.kind == "eagle3":
+        from .cli_eagle3 import train_eagle3_heads
+
+        return train_eagle3_heads(args, config, layout, target, data, data_key, layers)
     return _train_model(args, config, layout, target, tokenizer, data, data_key, layers, vocab_size)
+
+
+def _eagle3_layers(layers: list[int] | None, count: int) -> list[int]:
+    from ..eagle3_heads import FUSED_LAYERS, check_depth, default_layers
+
+    try:
+        check_depth(count)
+    except ValueError as exc:
+        raise PipelineError(f"--kind eagle3: {exc}") from None
+    if layers is None:
+        return default_layers(count)
+    wrong = [layer for layer in layers if not 0 <= layer < count - 1]
+    if wrong or len(set(layers)) != len(layers) or len(layers) != FUSED_LAYERS:
+        raise PipelineError(f"--layers: {layers} must be {FUSED_LAYERS} distinct target layers from 0 to {count - 2} "
+                            f"(the target has {count}; the last one's output is what the target's own head reads)")
+    return sorted(layers)
 
 
 def _dataset(args, config, layout, target_model, tokenizer, target):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+PLOT_FILE = "training.png"  # beside what train-draft writes
+
 
 def plot_history(history: dict, out: Path, title: str) -> Path:
     """Write ``out`` (PNG): what the draft learnt as training went on, from the history train_draft returns."""
@@ -21,6 +23,9 @@ def plot_history(history: dict, out: Path, title: str) -> Path:
     for h in range(1, len(evals[0].get("by_head", []))):  # Medusa heads after the first, further ahead
         ax.plot(tokens, [e["by_head"][h]["acceptance"] for e in evals], "o-", alpha=0.6,
                 label=f"head {h} acceptance ({h + 2} tokens ahead)")
+    for j in range(1, len(evals[0].get("by_position", []))):  # EAGLE-3's later draft steps, on its own outputs
+        ax.plot(tokens, [e["by_position"][j]["acceptance"] for e in evals], "o-", alpha=0.6,
+                label=f"draft position {j + 1} acceptance")
     if any(e.get("coverage", 1.0) < 1.0 for e in evals):
         ax.plot(tokens, [e["coverage"] for e in evals], ":", color="grey",
                 label="target probability inside the draft's vocabulary (ceiling)")

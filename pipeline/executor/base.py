@@ -42,6 +42,7 @@ class ExecutorBase(TokenizerIO):
     device = "cpu"  # where request generators live
     method = Method.DRAFT_MODEL  # who proposes by default
     has_medusa_heads = False  # the runtime holds Medusa heads, so requests may use method medusa
+    has_eagle3_heads = False  # the runtime holds EAGLE-3 heads, so requests may use method eagle3
 
     @property
     def has_draft_model(self) -> bool:
@@ -113,7 +114,7 @@ class ExecutorBase(TokenizerIO):
         a prompt that leaves room for no new token is still refused. ``cache_salt``: share cached prompt prefixes
         only with requests of the same salt (None: with every request that has none)."""
         method = parse_method(method or self.method, self.has_draft_model, error=RequestError,
-                              has_medusa_heads=self.has_medusa_heads)
+                              has_medusa_heads=self.has_medusa_heads, has_eagle3_heads=self.has_eagle3_heads)
         values = validate_request(max_new_tokens, temperature, top_k, top_p, seed, max_draft_len,
                                   default_max_draft_len=self.max_draft_len, engine_draft_len=self.engine_draft_len)
         if cache_salt is not None and not isinstance(cache_salt, str):

@@ -64,6 +64,16 @@ class EngineCounters:
     prefill_tokens: int = 0  # of those, prompt-chunk tokens
 
 
+def _aux_layers(asked: tuple[int, ...], eagle3) -> tuple[int, ...]:
+    """The target layers whose outputs each forward keeps: EAGLE-3 heads' fused layers, when the engine has some."""
+    if eagle3 is None:
+        return tuple(asked)
+    if asked and tuple(asked) != eagle3.config.target_layers:
+        raise ValueError(f"aux_layers: {list(asked)}, but the EAGLE-3 heads read layers "
+                         f"{list(eagle3.config.target_layers)}; leave aux_layers out")
+    return eagle3.config.target_layers
+
+
 @dataclass
 class _Saved:
     """What steps 2-4 change, as the step found it: per runner and row the KV length (None: not open yet), and each
@@ -94,13 +104,14 @@ class BatchingEngine:
                  engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
                  compile: bool | str = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
                  kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                 suffix: SuffixSettings | None = None, aux_layers: tuple[int, ...] = ()):
+                 suffix: SuffixSettings | None = None, aux_layers: tuple[int, ...] = (), eagle3=None):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
         drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
         serving; a result never depends on it, see SpecRequest);
         ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``suffix``: the suffix trees'
         settings for method suffix; ``aux_layers``: target layers whose outputs the proposers that read them get for
-        every token the target keeps (Proposer.target_states); ``medusa``: (MedusaHeads,
+        every token the target keeps (Proposer.target_states); ``eagle3``: Eagle3Heads for requests whose method is
+        eagle3 (their target_layers are then the aux layers); ``medusa``: (MedusaHeads,
         TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
         step's token budget; ``compile_max_width``: with ``compile``, the widest forward that runs compiled."""
         self.device = torch.device(device)
@@ -120,7 +131,7 @@ class BatchingEngine:
                                     self.kv.prefix_reuse, bool(compile), max_width=max_width,
                                     autotune=compile == "max-autotune", aux_layers=aux, follow=follow)
 
-        self.target = runner(target_model, aux=aux_layers)
+        self.target = runner(target_model, aux=_aux_layers(aux_layers, eagle3))
         # The draft's KV lives in the target's blocks: one pool, one limit, one admission decision.
         self.draft = runner(draft_model, follow=self.target) if draft_model is not None else None
         self.max_blocks = max_blocks
@@ -132,13 +143,13 @@ class BatchingEngine:
         self.proposers: dict[str, Proposer] = build_proposers(ProposerContext(
             self.draft, vocab_size, self.device, self.ngram,
             lambda rows, seconds: self._record("draft", rows, seconds), medusa, self.target,
-            suffix or SuffixSettings()))
+            suffix or SuffixSettings(), eagle3))
         # Every runner holding KV per request: the target's, then each proposer's own (once however many share it).
         self.runners = [self.target, *dict.fromkeys(p.kv_runner for p in self.proposers.values()
                                                     if p.kv_runner is not None)]
         self._hidden_users = {method for method, proposer in self.proposers.items() if proposer.wants_hidden}
         self._state_users = {method for method, proposer in self.proposers.items() if proposer.wants_states} \
-            if aux_layers else set()
+            if self.target.aux_layers else set()
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
         self.policy = DraftPolicy(engine_draft_len) if adaptive_draft_len and engine_draft_len > 0 else None
         if self.policy is not None:

@@ -17,6 +17,7 @@ from ..engine_info import EngineInfo, read_draft_engine, read_engine
 from ..errors import EngineError
 from ..kv_settings import KVSettings
 from ..layout import Layout
+from ..eagle3_heads import ENGINE_SUBDIR as EAGLE3_SUBDIR
 from ..medusa_heads import ENGINE_SUBDIR
 from ..methods import Method, NgramSettings, SuffixSettings, parse_method
 from ..quantize import quantize_model
@@ -38,7 +39,7 @@ class SpeculativeExecutor(ExecutorBase):
                  adaptive_draft_len: bool = False, compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
                  kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                 suffix: SuffixSettings | None = None):
+                 suffix: SuffixSettings | None = None, eagle3=None):
         """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
         for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
         wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
@@ -48,11 +49,13 @@ class SpeculativeExecutor(ExecutorBase):
         ``draft_model`` may be None) or "ngram+draft" (per step, whichever promises more tokens per unit of cost) or
         "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
         list of paths) or "suffix" (suffix trees over the prompt, the output and recent outputs, ``suffix`` their
-        settings; ``draft_model`` may be None); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
+        settings; ``draft_model`` may be None) or "eagle3" (``eagle3``: EAGLE-3 heads for this target, a folder or
+        Eagle3Heads); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
         step's token budget (chunked prefill)."""
         self.acceptance = checked_acceptance(acceptance)
-        self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None)
-        if self.method in (Method.NGRAM, Method.SUFFIX):
+        self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None,
+                                   has_eagle3_heads=eagle3 is not None)
+        if self.method in (Method.NGRAM, Method.SUFFIX, Method.EAGLE3):
             draft_model = None  # never run: lookups need no model
         self.device = torch.device(device)
         self.tokenizer = tokenizer
@@ -79,11 +82,16 @@ class SpeculativeExecutor(ExecutorBase):
             max_tokens=max_seq_len or UNBOUNDED_TOKENS, vocab_size=self.vocab_size,
             engine_draft_len=max(max_draft_len, engine_draft_len or 0), acceptance=acceptance,
             adaptive_draft_len=adaptive_draft_len, compile=compile, compile_max_width=compile_max_width, ngram=ngram,
-            medusa=(medusa, tree) if medusa is not None else None, kv=kv, suffix=suffix)
+            medusa=(medusa, tree) if medusa is not None else None, kv=kv, suffix=suffix,
+            eagle3=_fit_eagle3(eagle3, target_model) if eagle3 is not None else None)
 
     @property
     def has_medusa_heads(self) -> bool:
         return self.engine.proposers.get(Method.MEDUSA) is not None
+
+    @property
+    def has_eagle3_heads(self) -> bool:
+        return self.engine.proposers.get(Method.EAGLE3) is not None
 
     @property
     def has_draft_model(self) -> bool:
@@ -108,11 +116,11 @@ class SpeculativeExecutor(ExecutorBase):
                         medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None, quantization: str = "none",
                         draft_quantization: str = "none",
                         compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                        suffix: SuffixSettings | None = None) -> SpeculativeExecutor:
+                        suffix: SuffixSettings | None = None, eagle3=None) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
         ``draft`` may be None with ``method="ngram"``, ``"suffix"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
-        ``medusa_choices``; ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
+        ``medusa_choices``; ``eagle3``: an EAGLE-3 heads folder for method eagle3; ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
         linear layers (pipeline/quantize.py; pass dtype bfloat16 for the fast CPU kernel)."""
         from ..models import compare_tokenizers, max_positions
 
@@ -132,7 +140,8 @@ class SpeculativeExecutor(ExecutorBase):
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
                    max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
-                   medusa_choices=medusa_choices, kv=kv, compile_max_width=compile_max_width, suffix=suffix)
+                   medusa_choices=medusa_choices, kv=kv, compile_max_width=compile_max_width, suffix=suffix,
+                   eagle3=eagle3)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool | str = False,
@@ -156,8 +165,11 @@ class SpeculativeExecutor(ExecutorBase):
                               f"that built them")
         heads_dir = layout.engine_dir("target") / ENGINE_SUBDIR
         medusa = heads_dir if target_info.medusa_choices and heads_dir.is_dir() else None
+        eagle3_dir = layout.engine_dir("target") / EAGLE3_SUBDIR
+        eagle3 = eagle3_dir if target_info.eagle3 and eagle3_dir.is_dir() else None
         method = parse_method(method or target_info.built_method(layout.engine_dir("draft").exists()),
-                              has_draft_model=True, error=EngineError, has_medusa_heads=medusa is not None)
+                              has_draft_model=True, error=EngineError, has_medusa_heads=medusa is not None,
+                              has_eagle3_heads=eagle3 is not None)
         draft_model = _load_draft_engine(layout, target_info, method)
         from ..models import load_tokenizer
 
@@ -170,7 +182,8 @@ class SpeculativeExecutor(ExecutorBase):
                    max_batch_size=target_info.max_batch_size, adaptive_draft_len=adaptive_draft_len,
                    compile=compile, method=method, ngram=ngram or target_info.ngram_settings(), medusa=medusa,
                    medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings(),
-                   compile_max_width=compile_max_width, suffix=suffix or target_info.suffix_settings())
+                   compile_max_width=compile_max_width, suffix=suffix or target_info.suffix_settings(),
+                   eagle3=eagle3)
 
     def new_request(self, *args, **kwargs) -> SpecRequest:
         request = super().new_request(*args, **kwargs)
@@ -215,6 +228,18 @@ def _fit_heads(heads, target_model, tree):
         raise RequestError(f"medusa_choices: the tree is {tree.max_depth} deep but there are {heads.num_heads} heads; "
                            f"drop the deeper paths")
     return heads.to(device=out.device, dtype=out.dtype).restrict().eval()
+
+
+def _fit_eagle3(heads, target_model):
+    """The EAGLE-3 heads on the target's device and dtype, reading the target's token embeddings."""
+    from ..eagle3_heads import Eagle3Heads
+
+    if isinstance(heads, (str, Path)):
+        heads = Eagle3Heads.load(Path(heads))
+    if problem := heads.fits(target_model):
+        raise RequestError(f"eagle3: {problem}")
+    weight = target_model.get_output_embeddings().weight
+    return heads.to(device=weight.device, dtype=weight.dtype).attach(target_model).eval()
 
 
 def _auto_device() -> str:

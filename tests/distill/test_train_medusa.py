@@ -63,7 +63,7 @@ def test_train_draft_kind_medusa_writes_the_heads(tiny_pair, tmp_path, capsys):
     heads = MedusaHeads.load(out)
     assert heads.num_heads == 3 and (out / "manifest.json").is_file()
     assert main(["train-draft", str(config), "--kind", "medusa", "--layers", "2"]) == 2
-    assert "--layers: applies to --kind model only" in capsys.readouterr().err
+    assert "--layers: applies to --kind model and eagle3" in capsys.readouterr().err
 
 
 def test_a_medusa_config_trains_builds_and_runs(tiny_pair, tmp_path, capsys):

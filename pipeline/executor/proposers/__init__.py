@@ -13,6 +13,7 @@ from ...methods import Method, suffix_tree_problem
 from .base import Proposer, ProposerContext
 from .dispatch import choose_drafter
 from .draft_model import DraftModelProposer
+from .eagle3 import Eagle3Proposer
 from .medusa import MedusaProposer
 from .ngram import NgramProposer
 from .ngram_or_draft import CostRatio, NgramOrDraftProposer
@@ -35,6 +36,10 @@ def _medusa(context: ProposerContext, built: dict) -> Proposer | None:
     return MedusaProposer(context) if context.medusa is not None else None
 
 
+def _eagle3(context: ProposerContext, built: dict) -> Proposer | None:
+    return Eagle3Proposer(context) if context.eagle3 is not None else None
+
+
 def _suffix(context: ProposerContext, built: dict) -> Proposer | None:
     return SuffixProposer(context) if suffix_tree_problem() is None else None
 
@@ -46,6 +51,7 @@ REGISTRY: dict[Method, Callable[[ProposerContext, dict], Proposer | None]] = {
     Method.NGRAM_DRAFT: _ngram_or_draft,
     Method.MEDUSA: _medusa,
     Method.SUFFIX: _suffix,
+    Method.EAGLE3: _eagle3,
 }
 
 

@@ -35,7 +35,7 @@ from ..step_batch import StepBatch
 class ProposerContext:
     """What a proposer may use: the engine's draft runner (None without a draft model), ids both models have,
     where tensors live, the lookup settings, a callback that records a draft forward's (rows, seconds) for the
-    K policy, and the suffix trees' settings."""
+    K policy, the suffix trees' settings and the EAGLE-3 heads."""
 
     draft_runner: object | None
     vocab_size: int
@@ -45,6 +45,7 @@ class ProposerContext:
     medusa: tuple | None = None  # (MedusaHeads, TokenTree) when the engine serves method medusa
     target_runner: object | None = None  # the target's BatchModelRunner (lengths, hidden states of its forwards)
     suffix: SuffixSettings = SuffixSettings()
+    eagle3: object | None = None  # Eagle3Heads when the engine serves method eagle3 (made with their aux layers)
 
 
 class Proposer(ABC):

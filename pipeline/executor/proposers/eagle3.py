@@ -1,0 +1,188 @@
+"""EAGLE-3 heads as a proposer: a chain drafted by one layer reading the target's own hidden states.
+
+The engine hands over, after every target forward, the fused layers' outputs of each token the target kept
+(``target_states``, the engine being made with the heads' ``target_layers`` as its aux layers). The state after
+token i pairs with token i + 1 at position i; when the row drafts, the pairs not yet seen run through the layer
+(their keys and values kept: the heads' KV of the request), and the last one's output ranks the first draft
+token. Each later draft token is one more step of the layer on its own output (see pipeline/eagle3_heads.py), its
+keys kept only until the chain is drafted: after the verify, the accepted tokens come back as target states and
+their pairs replace what the chain guessed. A sampled row draws each token from the heads' distribution under its
+own sampling parameters (zero outside the draft vocabulary), which the rejection rule needs to stay exact.
+
+The heads' KV is the proposer's (one small layer: 2 x kv_heads x head_dim values per position), not the target's
+block pool. A prompt whose prefix the target reused from its cache brings no states for that prefix; the KV of a
+finished request's pairs is kept for the next prompt that starts the same way under the same cache salt (the last
+MAX_KEPT), and otherwise the chain attends from where the states begin (the drafts get worse, the output does not
+change).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from ...methods import Method
+from ...speculative import logits_to_probs, sample
+from ...eagle3_heads import Eagle3Heads, attend
+from ..step_batch import StepBatch
+from .base import Proposer, ProposerContext
+
+MAX_KEPT = 8  # finished requests whose KV a later prompt with the same prefix may take
+
+
+class _Row:
+    """One request's heads KV: positions [start, length) hold the pairs seen; ``pending`` the fused states of the
+    next ones; ``last`` the output of the pair at length - 1 (prenorm, logits)."""
+
+    def __init__(self, heads: Eagle3Heads, request, start: int):
+        c = heads.config
+        shape = (max(64, 2 * start), c.num_key_value_heads, c.head_dim)
+        self.k = heads.fc.weight.new_empty(shape)
+        self.v = heads.fc.weight.new_empty(shape)
+        self.request = request
+        self.start = self.length = start
+        self.pending: list[Tensor] = []
+        self.last: tuple[Tensor, Tensor] | None = None
+
+    def room(self, end: int) -> None:
+        if end > self.k.shape[0]:
+            grown = max(end, 2 * self.k.shape[0])
+            for name in ("k", "v"):
+                old = getattr(self, name)
+                new = old.new_empty((grown, *old.shape[1:]))
+                new[:old.shape[0]] = old
+                setattr(self, name, new)
+
+    def waiting(self) -> int:
+        return sum(x.shape[0] for x in self.pending)
+
+
+class Eagle3Proposer(Proposer):
+    method = Method.EAGLE3
+    uses_model = True
+    wants_states = True
+
+    def __init__(self, context: ProposerContext):
+        self.heads: Eagle3Heads = context.eagle3
+        self.target = context.target_runner
+        self.vocab_size = context.vocab_size
+        self.record = context.record_draft
+        self._rows: dict[int, _Row] = {}
+        self._kept: OrderedDict[tuple, tuple[Tensor, Tensor, int]] = OrderedDict()  # (salt, tokens) -> k, v, length
+        c = self.heads.config
+        self._ids = self.heads.target_ids(torch.arange(c.draft_vocab_size, device=self.heads.d2t.device))
+
+    # ---- states in ----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def target_states(self, request, states: Tensor) -> None:
+        row = self._rows.get(request.id)
+        if row is None:
+            start = self.target.length(request.id) - states.shape[0]
+            row = self._rows[request.id] = _Row(self.heads, request, start)
+            if start > 0:
+                self._reuse(row)
+        row.pending.append(self.heads.fuse(states))
+
+    def _reuse(self, row: _Row) -> None:
+        """The KV of the reused prefix from a finished request whose tokens start the same way (same salt)."""
+        prefix = row.request.sequence[:row.start + 1]  # a pair's KV depends on the token after it
+        for key, (k, v, length) in reversed(self._kept.items()):
+            salt, tokens = key
+            if salt == row.request.cache_salt and length >= row.start and tokens[:row.start + 1] == tuple(prefix):
+                row.room(row.start)
+                row.k[:row.start], row.v[:row.start] = k[:row.start], v[:row.start]
+                row.start = 0
+                self._kept.move_to_end(key)
+                return
+
+    # ---- drafting -----------------------------------------------------------------------------------------------
+
+    def limit(self, batch: StepBatch, row: int, k: int) -> int:
+        """Drafts only where the states reach the last token emitted (a row's first step after a prompt fully
+        reused from the cache runs plain and brings them)."""
+        request = batch.requests[row]
+        state = self._rows.get(request.id)
+        if state is None:
+            return 0
+        seen = state.length + state.waiting()
+        return k if seen == len(request.sequence) - 1 and (seen > state.start) else 0
+
+    @torch.inference_mode()
+    def propose(self, batch: StepBatch, rows: list[int]) -> None:
+        tokens: dict[int, list[int]] = {row: [] for row in rows}
+        probs: dict[int, list[Tensor]] = {row: [] for row in rows}
+        hidden: dict[int, Tensor] = {}
+        for position in range(max(batch.k[row] for row in rows)):
+            start = time.perf_counter()
+            active = [row for row in rows if position < batch.k[row]]
+            for row in active:
+                request = batch.requests[row]
+                state = self._rows[request.id]
+                if position == 0:
+                    prenorm, logits = self._catch_up(state)
+                else:
+                    prenorm, logits = self._chain_step(state, position, tokens[row][-1], hidden[row])
+                hidden[row] = prenorm
+                token, dist = self._pick(request, logits)
+                tokens[row].append(token)
+                if dist is not None:
+                    probs[row].append(dist)
+            self.record(len(active), time.perf_counter() - start)
+        for row in rows:
+            batch.put(row, tokens[row], torch.cat(probs[row]) if probs[row] else None, self.method)
+
+    def _catch_up(self, row: _Row) -> tuple[Tensor, Tensor]:
+        """Run the pairs not yet seen; returns the last pair's (prenorm, logits)."""
+        if row.pending:
+            hidden = torch.cat(row.pending)
+            count = hidden.shape[0]
+            end = row.length + count
+            sequence = row.request.sequence
+            tokens = torch.tensor(sequence[row.length + 1:end + 1], device=hidden.device)
+            positions = torch.arange(row.length, end, device=hidden.device)
+            projected = self.heads.project(tokens, hidden, positions)
+            row.room(end)
+            row.k[row.length:end], row.v[row.length:end] = projected.k, projected.v
+            span = torch.arange(row.start, end, device=hidden.device)
+            mask = span[None, :] <= positions[:, None]
+            out = attend(projected.q, row.k[row.start:end], row.v[row.start:end], mask, self.heads.scaling)
+            normed, prenorm = self.heads.finish(out, projected.residual)
+            row.last = (prenorm[-1], self.heads.logits(normed[-1]))
+            row.length, row.pending = end, []
+        return row.last
+
+    def _chain_step(self, row: _Row, step: int, token: int, hidden: Tensor) -> tuple[Tensor, Tensor]:
+        """Draft step ``step`` (>= 1) after the last pair: its keys sit past ``length`` until the next catch-up
+        overwrites them."""
+        at = row.length - 1 + step
+        projected = self.heads.project(torch.tensor([token], device=hidden.device), hidden[None],
+                                       torch.tensor([at], device=hidden.device))
+        row.room(at + 1)
+        row.k[row.length + step - 1], row.v[row.length + step - 1] = projected.k[0], projected.v[0]
+        end = row.length + step
+        out = attend(projected.q, row.k[row.start:end], row.v[row.start:end], None, self.heads.scaling)
+        normed, prenorm = self.heads.finish(out, projected.residual)
+        return prenorm[0], self.heads.logits(normed[0])
+
+    def _pick(self, request, logits: Tensor) -> tuple[int, Tensor | None]:
+        """The draft token (a target id) and, for a sampled row, the [1, V] distribution it was drawn from."""
+        if request.params.greedy:
+            return int(self._ids[int(logits.argmax())]), None
+        full = logits.new_full((self.heads.config.vocab_size,), float("-inf"))
+        full[self._ids] = logits
+        dist = logits_to_probs(full[None, :self.vocab_size], request.params)
+        return int(sample(dist, request.generator)), dist
+
+    def release(self, request_id: int) -> None:
+        row = self._rows.pop(request_id, None)
+        if row is None or row.start != 0 or row.length == 0:
+            return
+        key = (row.request.cache_salt, tuple(row.request.sequence[:row.length + 1]))
+        self._kept[key] = (row.k[:row.length].clone(), row.v[:row.length].clone(), row.length)
+        self._kept.move_to_end(key)
+        while len(self._kept) > MAX_KEPT:
+            self._kept.popitem(last=False)

@@ -1,0 +1,162 @@
+"""pipeline/executor/proposers/eagle3.py with pipeline/eagle3_heads.py: the proposer drafts the chain training taught,
+greedy output is the target's, sampled output follows the target's distribution, the heads' KV of a reused prompt
+prefix is taken back, and the heads survive their files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from pipeline.distill.train_eagle3 import chain_attention, target_states
+from pipeline.eagle3_heads import Eagle3Heads, default_layers
+from pipeline.executor import SpeculativeExecutor
+from pipeline.executor.proposers.eagle3 import Eagle3Proposer, _Row
+from pipeline.executor.step_batch import StepBatch
+from tests.conftest import load_tiny_models
+
+
+def small_llama(vocab: int = 50, layers: int = 6, seed: int = 0, scale: float = 1.0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      eos_token_id=None, bos_token_id=None)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(scale)
+    return model
+
+
+def shaken_heads(target, vocab_ids=None, seed: int = 1, noise: float = 0.1) -> Eagle3Heads:
+    """Heads for ``target`` with every weight moved off its start (nothing left zero or the identity)."""
+    heads = Eagle3Heads.for_target(target, default_layers(target.config.num_hidden_layers), vocab_ids)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * noise)
+    return heads.eval()
+
+
+class _Request:
+    def __init__(self, sequence):
+        self.sequence, self.cache_salt = sequence, None
+
+
+@torch.no_grad()
+def test_training_steps_are_the_chain_the_proposer_drafts():
+    """Training-time test's step j at position i must compute what the proposer computes drafting j tokens past
+    position i (same tokens fed): a shifted token, position or key set on either side breaks this."""
+    target = small_llama()
+    heads = shaken_heads(target, list(range(0, 50, 2)))
+    seq = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(3))
+    states = target_states(target, heads.config.target_layers, seq, torch.ones_like(seq))
+    length, steps = seq.shape[1] - 1, 4
+    hidden, keys, values, trained = heads.fuse(states[:, :length]), [], [], []
+    for j in range(steps):
+        tokens = torch.zeros_like(seq[:, :length])
+        tokens[:, :length - j] = seq[:, 1 + j:]
+        projected = heads.project(tokens, hidden, torch.arange(length) + j)
+        keys.append(projected.k)
+        values.append(projected.v)
+        normed, hidden = heads.finish(chain_attention(projected.q, keys, values, heads.scaling), projected.residual)
+        trained.append(heads.logits(normed)[0])
+    proposer = Eagle3Proposer.__new__(Eagle3Proposer)
+    proposer.heads = heads
+    for i in (3, 10):
+        row = _Row(heads, _Request(seq[0, :i + 2].tolist()), 0)
+        row.pending.append(heads.fuse(states[0, :i + 1]))
+        prenorm, logits = proposer._catch_up(row)
+        torch.testing.assert_close(logits, trained[0][i])
+        for j in range(1, steps):
+            prenorm, logits = proposer._chain_step(row, j, int(seq[0, i + 1 + j]), prenorm)
+            torch.testing.assert_close(logits, trained[j][i])
+
+
+# Longer than a KV block, so a second run finds their prefixes in the target's cache.
+PROMPTS = [text * 4 for text in ("def add(a, b):\n    return a + b\n\n", "import os\nimport sys\n",
+                                 "class Point:\n    def __init__(self, x, y):\n")]
+
+
+def test_greedy_output_is_the_target_greedy_output_and_a_reused_prefix_drafts_alike(deep_pair, monkeypatch):
+    target, _, tok = load_tiny_models(deep_pair)
+    heads = shaken_heads(target, noise=0.5)  # drafts that vary with the context
+    drafts = []  # (the row's sequence, its draft) of every eagle3 proposal
+    put = StepBatch.put
+    monkeypatch.setattr(StepBatch, "put", lambda self, row, tokens, *args, **kwargs: (
+        drafts.append((tuple(self.requests[row].sequence), tuple(tokens))), put(self, row, tokens, *args, **kwargs)))
+    plain = SpeculativeExecutor(target, None, tok, max_draft_len=0, method="ngram").generate(PROMPTS, 24)
+    ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads)
+    first = ex.generate(PROMPTS, 24)
+    drafted_first, drafts[:] = sorted(drafts), []
+    again = ex.generate(PROMPTS, 24)  # every prompt's prefix now comes from the target's cache
+    assert ex.engine.prefix_stats.hit_tokens > 0
+    for expected, one, two in zip(plain, first, again):
+        assert one.token_ids == expected.token_ids == two.token_ids
+        assert one.stats.by_proposer["eagle3"][0] > 0
+    # The heads' KV of the reused prefix was taken back: the same drafts at every step.
+    assert sorted(drafts) == drafted_first
+
+
+@pytest.mark.parametrize("vocab_ids", [None, [0, 2, 3, 5]], ids=["whole-vocabulary", "draft-vocabulary"])
+def test_sampled_output_follows_the_target_distribution(vocab_ids):
+    """The heads' drafts are sampled from their own distribution (zero outside the draft vocabulary); the first two
+    sampled tokens must follow the target's exact joint (TV < 0.07 at 3000 samples), with drafts both accepted
+    and rejected."""
+    target = small_llama(vocab=6, layers=4, seed=5, scale=6.0)
+    heads = shaken_heads(target, vocab_ids, noise=0.5)
+    prompt, temperature = [1, 2, 3, 1, 2], 0.9
+
+    def probs(ids):
+        return torch.softmax(target(torch.tensor([ids])).logits[0, -1].float() / temperature, -1)
+
+    with torch.no_grad():
+        first = probs(prompt)
+        exact = torch.stack([first[a] * probs(prompt + [a]) for a in range(6)]).flatten()
+    ex = SpeculativeExecutor(target, None, None, max_draft_len=3, method="eagle3", eagle3=heads, max_batch_size=32)
+    n = 3000
+    results = ex.generate([prompt] * n, 2, temperature=temperature, seed=list(range(n)))
+    pairs = torch.tensor([r.token_ids[0] * 6 + r.token_ids[1] for r in results])
+    tv = 0.5 * (torch.bincount(pairs, minlength=36).float() / n - exact).abs().sum().item()
+    assert tv < 0.07, tv
+    drafted = sum(r.stats.by_proposer.get("eagle3", [0, 0, 0])[0] for r in results)
+    kept = sum(r.stats.by_proposer.get("eagle3", [0, 0, 0])[1] for r in results)
+    assert 0 < kept < drafted
+
+
+def test_heads_survive_their_files_in_vllm_indexing(tmp_path):
+    target = small_llama()
+    heads = shaken_heads(target, list(range(10, 40)))
+    heads.save(tmp_path / "heads")
+    loaded = Eagle3Heads.load(tmp_path / "heads").attach(target).eval()
+    assert loaded.config == heads.config
+    written = loaded.config.to_json()
+    assert written["eagle_aux_hidden_state_layer_ids"] == [layer + 1 for layer in heads.config.target_layers]
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(heads.config.target_layers)
+    assert loaded.target_ids(torch.arange(30)).tolist() == list(range(10, 40))
+    assert loaded.t2d.nonzero().flatten().tolist() == list(range(10, 40))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        for a, b in ((heads, loaded),):
+            pa = a.project(torch.tensor([[1, 2, 3, 4, 5]] * 2), x, torch.arange(5))
+            pb = b.project(torch.tensor([[1, 2, 3, 4, 5]] * 2), x, torch.arange(5))
+            torch.testing.assert_close(pa.q, pb.q)
+            torch.testing.assert_close(a.logits(a.norm(x)), b.logits(b.norm(x)))
+
+
+def test_a_target_too_shallow_for_three_fused_layers_is_refused(tiny_pair, tmp_path):
+    from tests.conftest import run_cli, tiny_config_dict, write_config
+
+    config = write_config(tmp_path, tiny_config_dict(tiny_pair, name="shallow"))
+    result = run_cli("train-draft", str(config), "--engines-dir", str(tmp_path / "e"), "--kind", "eagle3")
+    assert result.returncode != 0
+    assert "EAGLE-3 heads fuse 3 target layers below the last, and the target has 3 layers" in result.stderr
+
+
+def test_heads_for_another_target_are_refused(deep_pair):
+    target, _, tok = load_tiny_models(deep_pair)
+    other = small_llama()
+    heads = Eagle3Heads.for_target(other, default_layers(6), None)
+    with pytest.raises(Exception, match="eagle3: heads for hidden size 32"):
+        SpeculativeExecutor(target, None, tok, method="eagle3", eagle3=heads)
+    with pytest.raises(Exception, match="needs EAGLE-3 heads"):
+        SpeculativeExecutor(target, None, tok, method="eagle3")
