@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 from dataclasses import dataclass, field
 
 from .config import DEFAULT_MAX_SEQ_LEN_CAP, MAX_DRAFT_LEN_LIMIT, BuildSpec, PipelineConfig
 from .decoder_support import LEAN, runner_for
 from .dtypes import DtypeChoice, checkpoint_dtype, resolve_dtype, torch_device
 from .errors import CompatibilityError, short_repr
+from .methods import Method
 from .models import (ResolvedModel, compare_tokenizers, load_tokenizer, max_positions, read_hf_config, resolve_model,
                      validate_weights, weights_nonfinite)
 
@@ -154,8 +156,12 @@ def check_pair(config: PipelineConfig, with_weights: bool = False) -> CheckRepor
     models, hf_configs = _check_models(config, with_weights, report)
     if config.speculative.medusa is not None:
         _check_medusa(config, hf_configs["target"], report)
-    if "draft" not in models and not config.speculative.method.needs_medusa_heads:
-        report.ok.append("speculative.method: ngram (lookups in the prompt and output; no draft model)")
+    if config.speculative.eagle3 is not None and config.has_eagle3_heads:
+        _check_eagle3(config, hf_configs["target"], report)
+    if "draft" not in models and config.speculative.method in (Method.NGRAM, Method.SUFFIX):
+        report.ok.append(f"speculative.method: {config.speculative.method.value} (lookups in the prompt and output"
+                         f"{' and recent outputs' if config.speculative.method == Method.SUFFIX else ''}; no draft "
+                         f"model)")
     if "draft" in models:
         _check_tokenizers(models, hf_configs, config.backend, report)
     _check_limits(config, hf_configs, report)
@@ -340,6 +346,35 @@ def _check_medusa(config: PipelineConfig, target_cfg: dict, report: CheckReport)
     if config.backend == "trtllm":
         report.warnings.append("speculative.method: medusa on trtllm verifies greedily only (TensorRT-LLM 1.1.0 "
                                "Medusa); sampled requests are refused there, the torch backend samples losslessly")
+
+
+def _check_eagle3(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:
+    """The EAGLE-3 heads folder reads and fits the target (hidden size, vocabulary, the layers it fuses)."""
+    from .eagle3_heads import CONFIG_FILE, Eagle3Config
+
+    folder = config.eagle3_dir()
+    text = target_cfg.get("text_config") or target_cfg
+    try:
+        heads = Eagle3Config.from_json(json.loads((folder / CONFIG_FILE).read_text()))
+    except (OSError, ValueError) as exc:
+        report.errors.append(f"speculative.eagle3.model: {folder}: {exc}; train heads with `python -m pipeline "
+                             f"train-draft CONFIG --kind eagle3`")
+        return
+    layers = text.get("num_hidden_layers")
+    for key, theirs, ours in (("hidden_size", heads.target_hidden_size, text.get("hidden_size")),
+                              ("vocab_size", heads.vocab_size, text.get("vocab_size"))):
+        if ours is not None and theirs != ours:
+            report.errors.append(f"speculative.eagle3.model: {folder} was trained for {key} {theirs}, the target has "
+                                 f"{ours}; train heads for this target")
+            return
+    if layers is not None and max(heads.target_layers) >= layers - 1:
+        report.errors.append(f"speculative.eagle3.model: {folder} fuses target layers {list(heads.target_layers)}, "
+                             f"the target has {layers}; train heads for this target")
+        return
+    beside = "" if config.speculative.method.needs_eagle3_heads else \
+        f" (built in beside method {config.speculative.method.value!r}; requests may pick method eagle3)"
+    report.ok.append(f"speculative.eagle3: heads over target layers {list(heads.target_layers)}, "
+                     f"{heads.draft_vocab_size} draft tokens{beside}")
 
 
 def _check_parallel(config: PipelineConfig, target_cfg: dict, report: CheckReport) -> None:

@@ -230,3 +230,35 @@ def test_bench_and_profile_measure_medusa_beside_target_and_ngram(tiny_pair, tmp
         assert "none pays here" in printed
     assert main(["profile", str(config), "--prompts", str(prompts), "--tree", "[[0], [-1]]"]) == 2
     assert "--tree: '[[0], [-1]]' is not a named tree" in capsys.readouterr().err
+
+
+def test_bench_and_profile_measure_eagle3_beside_target_and_ngram(deep_pair, tmp_path, capsys):
+    """An eagle3 config: bench has an eagle3 row at each K of the sweep (greedy output equal to the target's),
+    profile prices the heads like a draft model with their measured c and can recommend them."""
+    from pipeline.eagle3_heads import Eagle3Heads, default_layers
+
+    target, _, _ = load_tiny_models(deep_pair)
+    Eagle3Heads.for_target(target, default_layers(target.config.num_hidden_layers), None).save(tmp_path / "heads")
+    data = tiny_config_dict(deep_pair, name="eagle3-bench", speculative={
+        "method": "eagle3", "max_draft_len": 2, "eagle3": {"model": str(tmp_path / "heads")}})
+    data.pop("draft")
+    config = write_config(tmp_path, data)
+    engines = tmp_path / "engines"
+    assert main(["build", str(config), "--engines-dir", str(engines)]) == 0
+    out = tmp_path / "bench"
+    assert main(["bench", str(config), "--engines-dir", str(engines), "--out", str(out), "--k-max", "2",
+                 "--skip-hf", "--max-new-tokens", "12", "--num-prompts", "2", "--repeats", "1"]) == 0
+    _, records = _results(out)
+    rows = [r for r in records if r["method"] == "eagle3"]
+    assert sorted(r["k"] for r in rows) == [1, 2]
+    assert all(r["speedup_vs_target"] > 0 and len(r["acceptance_by_position"]) <= r["k"] for r in rows)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\nimport os\n")
+    capsys.readouterr()
+    assert main(["profile", str(config), "--prompts", str(prompts), "--max-new-tokens", "10", "--k-max", "2",
+                 "--json"]) == 0
+    printed = capsys.readouterr().out
+    profiles = [p for p in json.loads(printed[printed.index("\n["):]) if p["method"] == "eagle3"]
+    assert len(profiles) == 1 and profiles[0]["status"] == "ok"
+    assert profiles[0]["draft"] == f"eagle3:{tmp_path / 'heads'}" and 0 < profiles[0]["cost_ratio_c"] < 10
+    assert len(profiles[0]["acceptance_by_position"]) == 2 and "recommend:" in printed

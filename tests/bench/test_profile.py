@@ -93,6 +93,9 @@ def test_recommendation_names_the_method():
     trees = DraftProfile("suffix", "ok", best_k=5, best_speedup=2.3, method="suffix")
     assert recommendation([draft, lookup, hybrid, trees]).startswith(
         "recommend: speculative.method: suffix with speculative.max_draft_len: 5, no draft model")
+    heads = DraftProfile("eagle3:models/h", "ok", best_k=3, best_speedup=2.6, method="eagle3")
+    assert recommendation([draft, lookup, hybrid, trees, heads]).startswith(
+        "recommend: speculative.method: eagle3 with eagle3: {model: models/h} and speculative.max_draft_len: 3")
     slow = DraftProfile("ngram", "ok", best_k=1, best_speedup=0.9, method="ngram")
     assert "serve the target alone" in recommendation([slow])
 

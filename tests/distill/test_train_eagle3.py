@@ -102,3 +102,21 @@ def test_bad_layers_are_one_line_errors(deep_pair, tmp_path):
                           (["--kind", "medusa", "--ttt-steps", "2"], "--ttt-steps: applies to --kind eagle3 only")):
         result = run_cli("train-draft", str(config), "--engines-dir", str(tmp_path / "e"), *args)
         assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_check_reads_the_heads_and_refuses_heads_for_another_target(deep_pair, tiny_pair, tmp_path):
+    from tests.executor.test_eagle3_proposer import small_llama
+
+    target, _, _ = load_tiny_models(deep_pair)
+    Eagle3Heads.for_target(target, default_layers(target.config.num_hidden_layers), None).save(tmp_path / "ok")
+    Eagle3Heads.for_target(small_llama(), default_layers(6), None).save(tmp_path / "other")
+    for heads, expected in (("ok", "speculative.eagle3: heads over target layers [0, 1, 2], 512 draft tokens"),
+                            ("other", "was trained for hidden_size 32, the target has 96"),
+                            ("missing", "train heads with `python -m pipeline train-draft CONFIG --kind eagle3`")):
+        data = tiny_config_dict(deep_pair, name=f"check-{heads}")
+        data["speculative"] = {"method": "eagle3", "eagle3": {"model": str(tmp_path / heads)}}
+        data.pop("draft")
+        (tmp_path / f"config-{heads}").mkdir()
+        result = run_cli("check", str(write_config(tmp_path / f"config-{heads}", data)))
+        assert expected in result.stdout + result.stderr, result.stdout + result.stderr
+        assert (result.returncode == 0) == (heads == "ok")
