@@ -80,7 +80,8 @@ class Eagle3Config:
         """Sizes of one of ``target``'s own layers (an HF causal LM of the Llama family)."""
         c = target.config.get_text_config()
         heads = c.num_attention_heads
-        return cls(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+        return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
+                   intermediate_size=getattr(c, "intermediate_size", None) or 4 * c.hidden_size,
                    num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
                    head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
                    rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)), rope_theta=float(_rope_theta(c)),
@@ -216,7 +217,15 @@ class Eagle3Heads(nn.Module):
         return heads.attach(target)
 
     def _start_from(self, target, ids: list[int]) -> None:
-        last = target.model.layers[-1]
+        with torch.no_grad():
+            self.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(ids)])
+        try:
+            self._copy_last_layer(target)
+        except (AttributeError, RuntimeError):  # not a Llama-style layer (GPT-2, ...): the layer starts at random
+            pass
+
+    def _copy_last_layer(self, target) -> None:
+        last = target.base_model.layers[-1]
         d = self.config.hidden_size
         with torch.no_grad():
             for name in ("q_proj", "k_proj", "v_proj"):
@@ -228,8 +237,7 @@ class Eagle3Heads(nn.Module):
                 getattr(self.midlayer.mlp, name).weight.copy_(getattr(last.mlp, name).weight)
             self.midlayer.hidden_norm.weight.copy_(last.input_layernorm.weight)
             self.midlayer.post_attention_layernorm.weight.copy_(last.post_attention_layernorm.weight)
-            self.norm.weight.copy_(target.model.norm.weight)
-            self.lm_head.weight.copy_(target.get_output_embeddings().weight[torch.tensor(ids)])
+            self.norm.weight.copy_(target.base_model.norm.weight)
             # The last of the fused layers passes through; the others start at zero.
             self.fc.weight.zero_()
             self.fc.weight[:, -self.config.target_hidden_size:] = torch.eye(d)
