@@ -186,6 +186,8 @@ class Eagle3Spec(_Section):
     model: str = Field(description="Folder of the heads in vLLM's Eagle3 layout (config.json and model.safetensors), "
                                    "as `python -m pipeline train-draft CONFIG --kind eagle3` writes it; a relative "
                                    "path resolves against the config file's folder.")
+    tree: bool = Field(False, description="Draft the K likeliest candidates of a depth-wise expansion (4 per depth) "
+                                          "as a tree, verified in one forward, instead of a chain of K.")
 
 
 class SpeculativeSpec(_Section):

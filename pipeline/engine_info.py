@@ -40,7 +40,7 @@ class EngineInfo:
     ngram: dict | None = None  # speculative.ngram at build time
     suffix: dict | None = None  # speculative.suffix at build time
     medusa_choices: list | None = None  # the tree a medusa target verifies (None: another method)
-    eagle3: bool = False  # the target's engine carries EAGLE-3 heads (engine folder eagle3/)
+    eagle3: dict | None = None  # the target's engine carries EAGLE-3 heads (folder eagle3/): {"tree": drafting trees}
     kv: dict | None = None  # the torch engine's KVSettings fields at build time (None: built before they existed)
     # torch: the weight quantization applied when the engine loads (pipeline/quantize.py), None or "none": none.
     quantization: str | None = None
@@ -108,7 +108,7 @@ def engine_fields(config: PipelineConfig, role: str, backend: str) -> dict:
         # The tree a Medusa engine verifies (TensorRT-LLM's medusa_choices); None for the other methods.
         "medusa_choices": speculative.medusa.paths()
         if role == "target" and config.has_medusa_heads else None,
-        "eagle3": role == "target" and config.has_eagle3_heads,
+        "eagle3": {"tree": speculative.eagle3.tree} if role == "target" and config.has_eagle3_heads else None,
         # The torch engine's paged cache and step budget (TensorRT-LLM keeps its KV settings among its own facts).
         **({"kv": kv_settings(config).__dict__, "quantization": config.build.quantization.of(role)}
            if backend == "torch" else {}),

@@ -104,14 +104,16 @@ class BatchingEngine:
                  engine_draft_len: int, acceptance: str = "rejection", adaptive_draft_len: bool = False,
                  compile: bool | str = False, ngram: NgramSettings | None = None, medusa: tuple | None = None,
                  kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                 suffix: SuffixSettings | None = None, aux_layers: tuple[int, ...] = (), eagle3=None):
+                 suffix: SuffixSettings | None = None, aux_layers: tuple[int, ...] = (), eagle3=None,
+                 eagle3_tree: bool = False):
         """``max_tokens``: longest sequence (prompt + generated) a row holds; ``engine_draft_len``: the most any row
         drafts in one step; ``adaptive_draft_len``: cap K per step from measured costs and acceptance (for
         serving; a result never depends on it, see SpecRequest);
         ``ngram``: lookup settings for requests whose method uses n-gram proposals; ``suffix``: the suffix trees'
         settings for method suffix; ``aux_layers``: target layers whose outputs the proposers that read them get for
         every token the target keeps (Proposer.target_states); ``eagle3``: Eagle3Heads for requests whose method is
-        eagle3 (their target_layers are then the aux layers); ``medusa``: (MedusaHeads,
+        eagle3 (their target_layers are then the aux layers; ``eagle3_tree``: they draft a tree of K candidates,
+        not a chain); ``medusa``: (MedusaHeads,
         TokenTree) for requests whose method is medusa; ``kv``: block size, pool limit, prefix reuse and the
         step's token budget; ``compile_max_width``: with ``compile``, the widest forward that runs compiled."""
         self.device = torch.device(device)
@@ -143,7 +145,7 @@ class BatchingEngine:
         self.proposers: dict[str, Proposer] = build_proposers(ProposerContext(
             self.draft, vocab_size, self.device, self.ngram,
             lambda rows, seconds: self._record("draft", rows, seconds), medusa, self.target,
-            suffix or SuffixSettings(), eagle3))
+            suffix or SuffixSettings(), (eagle3, eagle3_tree) if eagle3 is not None else None))
         # Every runner holding KV per request: the target's, then each proposer's own (once however many share it).
         self.runners = [self.target, *dict.fromkeys(p.kv_runner for p in self.proposers.values()
                                                     if p.kv_runner is not None)]

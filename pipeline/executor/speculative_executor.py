@@ -39,7 +39,7 @@ class SpeculativeExecutor(ExecutorBase):
                  adaptive_draft_len: bool = False, compile: bool | str = False, method: str = Method.DRAFT_MODEL,
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
                  kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                 suffix: SuffixSettings | None = None, eagle3=None):
+                 suffix: SuffixSettings | None = None, eagle3=None, eagle3_tree: bool = False):
         """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
         for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
         wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
@@ -50,7 +50,7 @@ class SpeculativeExecutor(ExecutorBase):
         "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
         list of paths) or "suffix" (suffix trees over the prompt, the output and recent outputs, ``suffix`` their
         settings; ``draft_model`` may be None) or "eagle3" (``eagle3``: EAGLE-3 heads for this target, a folder or
-        Eagle3Heads); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
+        Eagle3Heads; ``eagle3_tree``: they draft a tree of K candidates instead of a chain); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
         step's token budget (chunked prefill)."""
         self.acceptance = checked_acceptance(acceptance)
         self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None,
@@ -83,7 +83,7 @@ class SpeculativeExecutor(ExecutorBase):
             engine_draft_len=max(max_draft_len, engine_draft_len or 0), acceptance=acceptance,
             adaptive_draft_len=adaptive_draft_len, compile=compile, compile_max_width=compile_max_width, ngram=ngram,
             medusa=(medusa, tree) if medusa is not None else None, kv=kv, suffix=suffix,
-            eagle3=_fit_eagle3(eagle3, target_model) if eagle3 is not None else None)
+            eagle3=_fit_eagle3(eagle3, target_model) if eagle3 is not None else None, eagle3_tree=eagle3_tree)
 
     @property
     def has_medusa_heads(self) -> bool:
@@ -116,11 +116,12 @@ class SpeculativeExecutor(ExecutorBase):
                         medusa_choices=DEFAULT_TREE, kv: KVSettings | None = None, quantization: str = "none",
                         draft_quantization: str = "none",
                         compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
-                        suffix: SuffixSettings | None = None, eagle3=None) -> SpeculativeExecutor:
+                        suffix: SuffixSettings | None = None, eagle3=None,
+                        eagle3_tree: bool = False) -> SpeculativeExecutor:
         """Load a pair of HF causal LMs (folders or hub ids, or already-loaded models) on the torch backend;
         ``draft`` may be None with ``method="ngram"``, ``"suffix"`` or ``"medusa"``; ``draft_dtype`` (default ``dtype``): the
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
-        ``medusa_choices``; ``eagle3``: an EAGLE-3 heads folder for method eagle3; ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
+        ``medusa_choices``; ``eagle3``: an EAGLE-3 heads folder for method eagle3 (``eagle3_tree``: drafting trees); ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
         linear layers (pipeline/quantize.py; pass dtype bfloat16 for the fast CPU kernel)."""
         from ..models import compare_tokenizers, max_positions
 
@@ -141,7 +142,7 @@ class SpeculativeExecutor(ExecutorBase):
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
                    max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
                    medusa_choices=medusa_choices, kv=kv, compile_max_width=compile_max_width, suffix=suffix,
-                   eagle3=eagle3)
+                   eagle3=eagle3, eagle3_tree=eagle3_tree)
 
     @classmethod
     def from_engines(cls, path: str | Path, device: str | None = None, compile: bool | str = False,
@@ -166,7 +167,7 @@ class SpeculativeExecutor(ExecutorBase):
         heads_dir = layout.engine_dir("target") / ENGINE_SUBDIR
         medusa = heads_dir if target_info.medusa_choices and heads_dir.is_dir() else None
         eagle3_dir = layout.engine_dir("target") / EAGLE3_SUBDIR
-        eagle3 = eagle3_dir if target_info.eagle3 and eagle3_dir.is_dir() else None
+        eagle3 = eagle3_dir if target_info.eagle3 is not None and eagle3_dir.is_dir() else None
         method = parse_method(method or target_info.built_method(layout.engine_dir("draft").exists()),
                               has_draft_model=True, error=EngineError, has_medusa_heads=medusa is not None,
                               has_eagle3_heads=eagle3 is not None)
@@ -183,7 +184,7 @@ class SpeculativeExecutor(ExecutorBase):
                    compile=compile, method=method, ngram=ngram or target_info.ngram_settings(), medusa=medusa,
                    medusa_choices=target_info.medusa_choices or DEFAULT_TREE, kv=kv or target_info.kv_settings(),
                    compile_max_width=compile_max_width, suffix=suffix or target_info.suffix_settings(),
-                   eagle3=eagle3)
+                   eagle3=eagle3, eagle3_tree=bool((target_info.eagle3 or {}).get("tree")))
 
     def new_request(self, *args, **kwargs) -> SpecRequest:
         request = super().new_request(*args, **kwargs)

@@ -64,6 +64,7 @@ def test_training_steps_are_the_chain_the_proposer_drafts():
         trained.append(heads.logits(normed)[0])
     proposer = Eagle3Proposer.__new__(Eagle3Proposer)
     proposer.heads = heads
+    proposer._ids = heads.target_ids(torch.arange(heads.config.draft_vocab_size))
     for i in (3, 10):
         row = _Row(heads, _Request(seq[0, :i + 2].tolist()), 0)
         row.pending.append(heads.fuse(states[0, :i + 1]))
@@ -77,6 +78,22 @@ def test_training_steps_are_the_chain_the_proposer_drafts():
 # Longer than a KV block, so a second run finds their prefixes in the target's cache.
 PROMPTS = [text * 4 for text in ("def add(a, b):\n    return a + b\n\n", "import os\nimport sys\n",
                                  "class Point:\n    def __init__(self, x, y):\n")]
+
+
+def test_tree_drafts_keep_greedy_output_and_hold_the_likeliest_candidates(deep_pair):
+    """Tree mode: greedy output unchanged; each step's tree holds K candidates, and a chain of K would keep no more
+    tokens per step than the tree at the same K on the same prompts (the tree's first path is the greedy chain's
+    best guess at every depth it reaches)."""
+    target, _, tok = load_tiny_models(deep_pair)
+    heads = shaken_heads(target, noise=0.3)
+    plain = SpeculativeExecutor(target, None, tok, max_draft_len=0, method="ngram").generate(PROMPTS, 24)
+    chain = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads).generate(PROMPTS, 24)
+    tree = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads,
+                               eagle3_tree=True).generate(PROMPTS, 24)
+    for expected, a, b in zip(plain, chain, tree):
+        assert a.token_ids == b.token_ids == expected.token_ids
+    accepted = [sum(r.stats.by_proposer["eagle3"][1] for r in results) for results in (chain, tree)]
+    assert accepted[1] >= accepted[0]
 
 
 def test_greedy_output_is_the_target_greedy_output_and_a_reused_prefix_drafts_alike(deep_pair, monkeypatch):
@@ -99,13 +116,17 @@ def test_greedy_output_is_the_target_greedy_output_and_a_reused_prefix_drafts_al
     assert sorted(drafts) == drafted_first
 
 
-@pytest.mark.parametrize("vocab_ids", [None, [0, 2, 3, 5]], ids=["whole-vocabulary", "draft-vocabulary"])
-def test_sampled_output_follows_the_target_distribution(vocab_ids):
+@pytest.mark.parametrize("vocab_ids, tree", [(None, False), ([0, 2, 3, 5], False), (None, True)],
+                         ids=["whole-vocabulary", "draft-vocabulary", "tree"])
+def test_sampled_output_follows_the_target_distribution(vocab_ids, tree, monkeypatch):
     """The heads' drafts are sampled from their own distribution (zero outside the draft vocabulary); the first two
     sampled tokens must follow the target's exact joint (TV < 0.07 at 3000 samples), with drafts both accepted
     and rejected."""
     target = small_llama(vocab=6, layers=4, seed=5, scale=6.0)
     heads = shaken_heads(target, vocab_ids, noise=0.5)
+    if tree:  # flatter heads, so that siblings compete with children
+        with torch.no_grad():
+            heads.lm_head.weight.mul_(0.05)
     prompt, temperature = [1, 2, 3, 1, 2], 0.9
 
     def probs(ids):
@@ -114,15 +135,22 @@ def test_sampled_output_follows_the_target_distribution(vocab_ids):
     with torch.no_grad():
         first = probs(prompt)
         exact = torch.stack([first[a] * probs(prompt + [a]) for a in range(6)]).flatten()
-    ex = SpeculativeExecutor(target, None, None, max_draft_len=3, method="eagle3", eagle3=heads, max_batch_size=32)
+    trees = []
+    put = StepBatch.put
+    monkeypatch.setattr(StepBatch, "put", lambda self, row, tokens, probs, method, tree=None: (
+        trees.append(tree is not None and tree.size - 1 > tree.max_depth), put(self, row, tokens, probs, method, tree)))
+    ex = SpeculativeExecutor(target, None, None, max_draft_len=3, method="eagle3", eagle3=heads, max_batch_size=32,
+                             eagle3_tree=tree)
     n = 3000
-    results = ex.generate([prompt] * n, 2, temperature=temperature, seed=list(range(n)))
+    # A step drafts at most one token fewer than are left: a tree needs a third token to have two candidates.
+    results = ex.generate([prompt] * n, 3 if tree else 2, temperature=temperature, seed=list(range(n)))
     pairs = torch.tensor([r.token_ids[0] * 6 + r.token_ids[1] for r in results])
     tv = 0.5 * (torch.bincount(pairs, minlength=36).float() / n - exact).abs().sum().item()
     assert tv < 0.07, tv
     drafted = sum(r.stats.by_proposer.get("eagle3", [0, 0, 0])[0] for r in results)
     kept = sum(r.stats.by_proposer.get("eagle3", [0, 0, 0])[1] for r in results)
     assert 0 < kept < drafted
+    assert any(trees) == tree  # tree mode really branched
 
 
 def test_heads_survive_their_files_in_vllm_indexing(tmp_path):

@@ -45,7 +45,7 @@ class ProposerContext:
     medusa: tuple | None = None  # (MedusaHeads, TokenTree) when the engine serves method medusa
     target_runner: object | None = None  # the target's BatchModelRunner (lengths, hidden states of its forwards)
     suffix: SuffixSettings = SuffixSettings()
-    eagle3: object | None = None  # Eagle3Heads when the engine serves method eagle3 (made with their aux layers)
+    eagle3: tuple | None = None  # (Eagle3Heads, tree mode) when the engine serves method eagle3 (their aux layers)
 
 
 class Proposer(ABC):

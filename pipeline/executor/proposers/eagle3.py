@@ -9,6 +9,12 @@ keys kept only until the chain is drafted: after the verify, the accepted tokens
 their pairs replace what the chain guessed. A sampled row draws each token from the heads' distribution under its
 own sampling parameters (zero outside the draft vocabulary), which the rejection rule needs to stay exact.
 
+With ``tree`` the K draft tokens form the likeliest tree the heads find instead of a chain (EAGLE-2's expansion):
+each depth runs the TREE_WIDTH likeliest candidates of the last one in one batched step (each attending to the
+request's KV and its own ancestors), their top TREE_WIDTH children become the next depth's candidates, and the K
+candidates with the highest path probability (a child's never exceeds its parent's, so they form a tree) are
+verified by the tree rules, each a point mass (lossless for sampled rows as well).
+
 The heads' KV is the proposer's (one small layer: 2 x kv_heads x head_dim values per position), not the target's
 block pool. A prompt whose prefix the target reused from its cache brings no states for that prefix; the KV of a
 finished request's pairs is kept for the next prompt that starts the same way under the same cache salt (the last
@@ -27,10 +33,12 @@ from torch import Tensor
 from ...methods import Method
 from ...speculative import logits_to_probs, sample
 from ...eagle3_heads import Eagle3Heads, attend
+from ...speculative.tree import TokenTree
 from ..step_batch import StepBatch
 from .base import Proposer, ProposerContext
 
 MAX_KEPT = 8  # finished requests whose KV a later prompt with the same prefix may take
+TREE_WIDTH = 4  # candidates expanded per depth in tree mode, and children kept per candidate
 
 
 class _Row:
@@ -66,7 +74,8 @@ class Eagle3Proposer(Proposer):
     wants_states = True
 
     def __init__(self, context: ProposerContext):
-        self.heads: Eagle3Heads = context.eagle3
+        self.heads: Eagle3Heads = context.eagle3[0]
+        self.tree = context.eagle3[1]  # draft a tree of K candidates instead of a chain
         self.target = context.target_runner
         self.vocab_size = context.vocab_size
         self.record = context.record_draft
@@ -113,6 +122,13 @@ class Eagle3Proposer(Proposer):
 
     @torch.inference_mode()
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
+        if self.tree:
+            for row in rows:
+                start = time.perf_counter()
+                tokens, tree = self._tree_draft(self._rows[batch.requests[row].id], batch.k[row])
+                batch.put(row, tokens, None, self.method, tree)
+                self.record(1, (time.perf_counter() - start) / max(batch.k[row], 1))
+            return
         tokens: dict[int, list[int]] = {row: [] for row in rows}
         probs: dict[int, list[Tensor]] = {row: [] for row in rows}
         hidden: dict[int, Tensor] = {}
@@ -167,6 +183,58 @@ class Eagle3Proposer(Proposer):
         out = attend(projected.q, row.k[row.start:end], row.v[row.start:end], None, self.heads.scaling)
         normed, prenorm = self.heads.finish(out, projected.residual)
         return prenorm[0], self.heads.logits(normed[0])
+
+    def _tree_draft(self, row: _Row, k: int) -> tuple[list[int], TokenTree | None]:
+        """The K likeliest candidates of a depth-wise expansion (module docstring) as (tokens in node order, tree);
+        a chain of one token when k is 1."""
+        prenorm, logits = self._catch_up(row)
+        width = min(k, TREE_WIDTH)
+        tokens, parents, scores = [], [], []
+        hidden = {-1: prenorm}  # candidate -> its output (the root's: the last pair's)
+        keys, values, ancestry = [], [], {}  # the run candidates' KV; candidate -> the KV slots it attends to
+        frontier = self._children(-1, logits[None], width, tokens, parents, scores)
+        cached = row.k[row.start:row.length], row.v[row.start:row.length]
+        for depth in range(1, k):
+            device = prenorm.device
+            projected = self.heads.project(torch.tensor([tokens[c] for c in frontier], device=device),
+                                           torch.stack([hidden[parents[c]] for c in frontier]),
+                                           torch.full((len(frontier),), row.length - 1 + depth, device=device))
+            for i, c in enumerate(frontier):
+                ancestry[c] = ancestry.get(parents[c], []) + [len(keys) + i]
+            keys.extend(projected.k)
+            values.extend(projected.v)
+            mask = torch.zeros(len(frontier), cached[0].shape[0] + len(keys), dtype=torch.bool, device=device)
+            mask[:, :cached[0].shape[0]] = True
+            for i, c in enumerate(frontier):
+                mask[i, [cached[0].shape[0] + slot for slot in ancestry[c]]] = True
+            out = attend(projected.q, torch.cat([cached[0], torch.stack(keys)]),
+                         torch.cat([cached[1], torch.stack(values)]), mask, self.heads.scaling)
+            normed, outputs = self.heads.finish(out, projected.residual)
+            hidden.update(zip(frontier, outputs))
+            step_logits = self.heads.logits(normed)
+            grown = [child for i, c in enumerate(frontier)
+                     for child in self._children(c, step_logits[i:i + 1], width, tokens, parents, scores)]
+            frontier = sorted(grown, key=lambda c: -scores[c])[:width]
+        depth_of = [0] * len(tokens)
+        for c, parent in enumerate(parents):
+            depth_of[c] = depth_of[parent] + 1 if parent >= 0 else 1
+        # Parents before children (a child's score never exceeds its parent's; ties go to the shallower one).
+        chosen = sorted(sorted(range(len(tokens)), key=lambda c: (-scores[c], depth_of[c]))[:k],
+                        key=lambda c: (depth_of[c], -scores[c]))
+        index = {c: i for i, c in enumerate(chosen)}
+        tree, order = TokenTree.from_parents([index[parents[c]] if parents[c] >= 0 else -1 for c in chosen])
+        return [tokens[chosen[i]] for i in order], tree
+
+    def _children(self, parent: int, logits: Tensor, width: int, tokens: list, parents: list, scores: list) -> list:
+        """Add ``parent``'s ``width`` likeliest children to the candidates; returns their indices."""
+        top = torch.log_softmax(logits[0].float(), -1).topk(width)
+        base = scores[parent] if parent >= 0 else 0.0
+        first = len(tokens)
+        for value, index in zip(top.values.tolist(), top.indices.tolist()):
+            tokens.append(int(self._ids[index]))
+            parents.append(parent)
+            scores.append(base + value)
+        return list(range(first, len(tokens)))
 
     def _pick(self, request, logits: Tensor) -> tuple[int, Tensor | None]:
         """The draft token (a target id) and, for a sampled row, the [1, V] distribution it was drawn from."""
