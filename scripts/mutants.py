@@ -31,7 +31,8 @@ DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/t
                  "tests/executor/test_block_pool.py", "tests/executor/test_model_runner.py",
                  "tests/executor/test_batching_engine.py::test_chunked_prefill_and_prefix_reuse_change_no_result",
                  "tests/executor/test_suffix_proposer.py",
-                 "tests/executor/test_proposers.py::test_sampled_output_follows_the_target_distribution"]
+                 "tests/executor/test_proposers.py::test_sampled_output_follows_the_target_distribution",
+                 "tests/executor/test_eagle3_proposer.py"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
@@ -42,6 +43,8 @@ TREE = "pipeline/speculative/tree.py"
 CACHE = "pipeline/executor/paged_kv_cache.py"
 POOL = "pipeline/executor/block_pool.py"
 SUFFIX = "pipeline/executor/proposers/suffix.py"
+EAGLE3 = "pipeline/executor/proposers/eagle3.py"
+EAGLE3_TRAIN = "pipeline/distill/train_eagle3.py"
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,22 @@ MUTANTS = [
            "cache = self._own_trees() if _reproducible(request) else self._cache(request.cache_salt)",
            "cache = self._own_trees() if _reproducible(request) else self._cache(None)",
            "past outputs shared across cache salts"),
+    Mutant("eagle3_samples_another_distribution", EAGLE3,
+           "return int(sample(dist, request.generator)), dist",
+           "return int(sample(torch.softmax(full[None, :self.vocab_size].float() * 0.3, -1), request.generator)), dist",
+           "an EAGLE-3 draft sampled from one distribution and reported as drawn from another"),
+    Mutant("eagle3_prefix_kv_not_reused", EAGLE3,
+           "                self._reuse(row)",
+           "                pass",
+           "the heads' KV of a prompt prefix the target reused is not taken back (drafts then change)"),
+    Mutant("eagle3_training_token_shifted", EAGLE3_TRAIN,
+           "tokens[:, :max(length - j, 0)] = input_ids[:, 1 + j:]",
+           "tokens[:, :max(length - j - 1, 0)] = input_ids[:, 2 + j:]",
+           "training-time test feeds each draft step the token after the one it drafts from"),
+    Mutant("eagle3_chain_position_stale", EAGLE3,
+           "at = row.length - 1 + step",
+           "at = row.length - 1",
+           "every chained EAGLE-3 step drafts at the last pair's RoPE position"),
 ]
 
 

@@ -57,9 +57,10 @@ def _acceptance_by_position(steps: Sequence[tuple[int, int]]) -> list[float]:
 
 
 def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Sequence[Sample]],
-                costs: CostTerms) -> dict:
+                costs: CostTerms, c: float | None = None) -> dict:
     """``repeats[r][p]`` is prompt p of repeat r. Greedy decoding makes every repeat emit the same tokens, so
-    acceptance comes from the first repeat and only the timings are pooled."""
+    acceptance comes from the first repeat and only the timings are pooled. ``c``: the method's own cost ratio
+    where the run's cost terms do not describe it (EAGLE-3 heads)."""
     throughputs = [sum(s.tokens for s in rep) / max(sum(s.seconds for s in rep), 1e-12) for rep in repeats]
     itl = [x for rep in repeats for s in rep for x in s.itl_s]
     ttft = [s.ttft_s for rep in repeats for s in rep]
@@ -70,7 +71,8 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
     k_mean = drafted / len(steps) if steps else 0.0
     alpha = alpha_from_steps(steps)
     # Lookups and suffix trees run no model: their cost ratio is 0. (The hybrid keeps the draft's c: an upper bound on its cost.)
-    c = 0.0 if method in ("ngram", "suffix", "hf_lookup") else costs.cost_ratio_c
+    if c is None:
+        c = 0.0 if method in ("ngram", "suffix", "hf_lookup") else costs.cost_ratio_c
     if method in ("target", "hf_target"):
         verify, bound, refined = 1.0, 1.0, 1.0
     elif method == "medusa":  # a tree step: the chain model's bounds and verify cost do not describe it

@@ -252,7 +252,12 @@ def run_bench(executor, prompt_sets: dict[str, list[str]], options: BenchOptions
     if announce is not None:
         announce(methods, calibrate(methods, first, options.max_new_tokens))
     samples = timed_runs(methods, fitted, options)
-    records = [make_record(method, k, set_name, reps, costs) for (set_name, method, k), reps in samples.items()]
+    # EAGLE-3 heads run no draft model: their c is the engine's own measurement over the run (one draft position
+    # over one verify), known only without a draft model whose positions it would pool.
+    own_c = {Method.EAGLE3.value: executor.engine.costs.value} \
+        if getattr(executor, "has_eagle3_heads", False) and not executor.has_draft_model else {}
+    records = [make_record(method, k, set_name, reps, costs, own_c.get(method))
+               for (set_name, method, k), reps in samples.items()]
     return finish_records(records), costs, notes
 
 

@@ -22,7 +22,7 @@ import json
 from pathlib import Path
 
 from ..errors import PipelineError
-from .cli_eagle3 import EAGLE3_VOCAB
+from .cli_eagle3 import EAGLE3_LR, EAGLE3_VOCAB
 from .plot import PLOT_FILE
 
 DEFAULT_PROMPTS = 256
@@ -56,7 +56,7 @@ def add_train_parser(sub, common) -> None:
                         "draft's dtype. Default float32")
     p.add_argument("--new-tokens", type=int, default=64, help="target tokens generated per prompt (default 64)")
     p.add_argument("--lr", type=float, help=f"learning rate (default {MODEL_LR} for a model, {MEDUSA_LR} for "
-                                            f"Medusa heads)")
+                                            f"Medusa heads, {EAGLE3_LR} for EAGLE-3 heads)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", action="store_true", help="continue a killed run from its last checkpoint")
     p.add_argument("--ttt-steps", type=int, help="--kind eagle3: draft steps unrolled per position in training "

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 TTT_STEPS = 5
-EAGLE3_LR = 1e-3
+EAGLE3_LR = 3e-3
 EAGLE3_VOCAB = 8192  # the draft vocabulary unless --vocab says otherwise (all of a smaller one)
 
 
@@ -34,8 +34,8 @@ def train_eagle3_heads(args, config, layout, target, data, data_key, layers: lis
         report = {"target": config.target.model, "kind": "eagle3", "target_layers": layers, "dtype": args.dtype,
                   "history": history}
         (tmp / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
-        plot_history(history, tmp / PLOT_FILE, f"{config.name}: EAGLE-3 heads over target layers {layers}, "
-                                               f"{options.ttt_steps} draft steps, {vocab} tokens")
+        plot_history(history, tmp / PLOT_FILE, f"{config.name}: EAGLE-3 heads, layers {layers}, "
+                                               f"{vocab} tokens")
         return {"final_eval": history["evals"][-1], "target_layers": layers}
 
     result = run_stage("train", "eagle3", Path(out), {"dataset": data_key, "layers": layers},

@@ -75,16 +75,13 @@ def chain_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], scaling
     return out
 
 
-def _ttt_terms(heads: Eagle3Heads, target, data: DistillSet, chosen: list[int], steps: int, device):
-    """(weighted mean KL, per step [agreement, acceptance, coverage, positions], positions)."""
-    input_ids, mask, targets = padded_batch(data, chosen, device)
-    with torch.no_grad():
-        states = target_states(target, heads.config.target_layers, input_ids, mask)
+def ttt_steps(heads: Eagle3Heads, input_ids: Tensor, states: Tensor, steps: int):
+    """Training-time test over whole sequences: for each draft step j, the heads' normed outputs [B, L - 1, d],
+    position i's predicting token i + 2 + j (input_ids [B, L]; states [B, L, layers, d], the target's)."""
     length = input_ids.shape[1] - 1  # pair i: the state after token i, token i + 1
     hidden = heads.fuse(states[:, :length].float())
-    positions = torch.arange(length, device=device)
-    rows = head_rows(heads)
-    keys, values, losses, per_step, positions_n = [], [], [], [], 0
+    positions = torch.arange(length, device=input_ids.device)
+    keys, values = [], []
     for j in range(steps):
         tokens = torch.zeros_like(input_ids[:, :length])
         tokens[:, :max(length - j, 0)] = input_ids[:, 1 + j:]
@@ -92,6 +89,18 @@ def _ttt_terms(heads: Eagle3Heads, target, data: DistillSet, chosen: list[int], 
         keys.append(projected.k)
         values.append(projected.v)
         normed, hidden = heads.finish(chain_attention(projected.q, keys, values, heads.scaling), projected.residual)
+        yield normed
+
+
+def _ttt_terms(heads: Eagle3Heads, target, data: DistillSet, chosen: list[int], steps: int, device):
+    """(weighted mean KL, per step [agreement, acceptance, coverage, positions], positions)."""
+    input_ids, mask, targets = padded_batch(data, chosen, device)
+    with torch.no_grad():
+        states = target_states(target, heads.config.target_layers, input_ids, mask)
+    length = input_ids.shape[1] - 1
+    rows = head_rows(heads)
+    losses, per_step, positions_n = [], [], 0
+    for j, normed in enumerate(ttt_steps(heads, input_ids, states, steps)):
         kls, totals = [], [0.0, 0.0, 0.0, 0]
         for r, (start, ids_k, logp_k) in enumerate(targets):
             # Position i predicts token i + 2 + j, the dataset's row i + 2 + j - start.

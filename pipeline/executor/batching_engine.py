@@ -156,6 +156,8 @@ class BatchingEngine:
         self.policy = DraftPolicy(engine_draft_len) if adaptive_draft_len and engine_draft_len > 0 else None
         if self.policy is not None:
             self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
+            for proposer in self.proposers.values():  # drafters without a draft model time their own step
+                proposer.calibrate(lambda rows, seconds: self.policy.draft.record(rows, seconds), max_batch)
         self.step_tokens: list[int] = []  # recent steps' packed target tokens
         self.counters = EngineCounters()
 

@@ -252,6 +252,7 @@ def test_bench_and_profile_measure_eagle3_beside_target_and_ngram(deep_pair, tmp
     rows = [r for r in records if r["method"] == "eagle3"]
     assert sorted(r["k"] for r in rows) == [1, 2]
     assert all(r["speedup_vs_target"] > 0 and len(r["acceptance_by_position"]) <= r["k"] for r in rows)
+    assert all(0 < r["cost_ratio_c"] < 10 for r in rows)  # the heads' own measured cost, not the absent draft's
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nimport os\n")
     capsys.readouterr()

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from pipeline.distill.train_eagle3 import chain_attention, target_states
+from pipeline.distill.train_eagle3 import target_states, ttt_steps
 from pipeline.eagle3_heads import Eagle3Heads, default_layers
 from pipeline.executor import SpeculativeExecutor
 from pipeline.executor.proposers.eagle3 import Eagle3Proposer, _Row
@@ -52,16 +52,8 @@ def test_training_steps_are_the_chain_the_proposer_drafts():
     heads = shaken_heads(target, list(range(0, 50, 2)))
     seq = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(3))
     states = target_states(target, heads.config.target_layers, seq, torch.ones_like(seq))
-    length, steps = seq.shape[1] - 1, 4
-    hidden, keys, values, trained = heads.fuse(states[:, :length]), [], [], []
-    for j in range(steps):
-        tokens = torch.zeros_like(seq[:, :length])
-        tokens[:, :length - j] = seq[:, 1 + j:]
-        projected = heads.project(tokens, hidden, torch.arange(length) + j)
-        keys.append(projected.k)
-        values.append(projected.v)
-        normed, hidden = heads.finish(chain_attention(projected.q, keys, values, heads.scaling), projected.residual)
-        trained.append(heads.logits(normed)[0])
+    steps = 4
+    trained = [heads.logits(normed)[0] for normed in ttt_steps(heads, seq, states, steps)]
     proposer = Eagle3Proposer.__new__(Eagle3Proposer)
     proposer.heads = heads
     proposer._ids = heads.target_ids(torch.arange(heads.config.draft_vocab_size))
@@ -231,3 +223,15 @@ def test_heads_train_and_draft_for_other_architectures(arch):
     assert ex.target.runner == ("lean" if arch == "qwen2" else "hf-modules")
     assert [r.token_ids for r in results] == [r.token_ids for r in plain]
     assert all(r.stats.by_proposer["eagle3"][0] > 0 for r in results)
+
+
+def test_the_adaptive_k_policy_prices_the_heads_before_they_draft(deep_pair):
+    """Serving's K policy times a bare heads step when the engine starts: unpriced, drafting would look dearer than
+    any gain and the heads would never draft (nor ever be measured)."""
+    target, _, tok = load_tiny_models(deep_pair)
+    heads = shaken_heads(target, noise=0.05)
+    ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads,
+                             adaptive_draft_len=True)
+    assert ex.engine.policy.draft.calibrated  # seconds per row, from the heads' own step
+    results = ex.generate(PROMPTS, 16)
+    assert sum(r.stats.by_proposer.get("eagle3", [0, 0, 0])[0] for r in results) > 0

@@ -79,6 +79,10 @@ class Proposer(ABC):
         the prompt prefix it reused from the cache (the target computed nothing there; a proposer keeping KV in the
         target's blocks reuses its own KV of that prefix)."""
 
+    def calibrate(self, record: Callable[[int, float], None], max_rows: int) -> None:
+        """With ``uses_model`` and no draft model of the engine's: time a bare draft position for 1..max_rows rows
+        and ``record(rows, seconds)`` each, so the K policy can price drafting before it has drafted."""
+
     def catch_up(self, requests: list) -> None:
         """With a ``kv_runner``: after a target forward that advanced these requests' prompts, bring their KV in
         kv_runner as far as the target's."""

@@ -245,6 +245,24 @@ class Eagle3Proposer(Proposer):
         dist = logits_to_probs(full[None, :self.vocab_size], request.params)
         return int(sample(dist, request.generator)), dist
 
+    @torch.inference_mode()
+    def calibrate(self, record, max_rows: int, context: int = 64, repeats: int = 3) -> None:
+        """One chained step over a ``context``-position KV, timed (best of ``repeats``); rows draft one after
+        another, so b rows cost b steps."""
+        c = self.heads.config
+        row = _Row(self.heads, None, 0)
+        row.room(context + 1)
+        row.k[:context], row.v[:context] = torch.zeros_like(row.k[:context]), torch.zeros_like(row.v[:context])
+        row.length = context
+        hidden = self.heads.fc.weight.new_zeros(c.hidden_size)
+        best = float("inf")
+        for _ in range(repeats + 1):  # the first warms up
+            start = time.perf_counter()
+            self._chain_step(row, 1, 0, hidden)
+            best = min(best, time.perf_counter() - start)
+        for rows in sorted({1, 2, 4, 8, 16, 32, max_rows} & set(range(1, max_rows + 1))):
+            record(rows, rows * best)
+
     def release(self, request_id: int) -> None:
         row = self._rows.pop(request_id, None)
         if row is None or row.start != 0 or row.length == 0:
