@@ -160,8 +160,7 @@ def adaptive_runner(executor) -> Callable[[list[int], int], Sample]:
 
     def run(ids: list[int], max_new_tokens: int) -> Sample:
         if not calibrated:
-            policy.calibrate(engine.target.model, engine.draft.model if engine.draft is not None else None, 1,
-                             engine.device, engine.vocab_size)
+            engine.calibrate(policy, 1)
             calibrated.append(True)
         before, engine.policy = engine.policy, policy
         try:

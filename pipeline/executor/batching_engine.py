@@ -155,11 +155,17 @@ class BatchingEngine:
         # N-gram rows need the policy as much as draft-model rows: their proposals are free, the wider verify is not.
         self.policy = DraftPolicy(engine_draft_len) if adaptive_draft_len and engine_draft_len > 0 else None
         if self.policy is not None:
-            self.policy.calibrate(target_model, draft_model, max_batch, self.device, vocab_size)
-            for proposer in self.proposers.values():  # drafters without a draft model time their own step
-                proposer.calibrate(lambda rows, seconds: self.policy.draft.record(rows, seconds), max_batch)
+            self.calibrate(self.policy, max_batch)
         self.step_tokens: list[int] = []  # recent steps' packed target tokens
         self.counters = EngineCounters()
+
+    def calibrate(self, policy: DraftPolicy, max_rows: int) -> None:
+        """Time bare forwards for ``policy``: the target's and the draft model's, and the step of each drafter
+        without a draft model (EAGLE-3 heads), so it can price drafting before anything drafted."""
+        policy.calibrate(self.target.model, self.draft.model if self.draft is not None else None, max_rows,
+                         self.device, self.vocab_size)
+        for proposer in self.proposers.values():
+            proposer.calibrate(lambda rows, seconds: policy.draft.record(rows, seconds), max_rows)
 
     # ---- the server-facing API ------------------------------------------------------------------------------------
 
