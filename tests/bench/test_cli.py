@@ -253,8 +253,6 @@ def test_bench_and_profile_measure_eagle3_beside_target_and_ngram(deep_pair, tmp
     assert sorted(r["k"] for r in rows) == [1, 2]
     assert all(r["speedup_vs_target"] > 0 and len(r["acceptance_by_position"]) <= r["k"] for r in rows)
     assert all(0 < r["cost_ratio_c"] < 10 for r in rows)  # the heads' own measured cost, not the absent draft's
-    # The adaptive row (the K policy as served) priced the heads before they drafted, so it let them draft.
-    assert max(r["mean_draft_len"] for r in records if r["method"] == "adaptive") > 0
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\nimport os\n")
     capsys.readouterr()

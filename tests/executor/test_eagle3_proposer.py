@@ -233,5 +233,5 @@ def test_the_adaptive_k_policy_prices_the_heads_before_they_draft(deep_pair):
     ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads,
                              adaptive_draft_len=True)
     assert ex.engine.policy.draft.calibrated  # seconds per row, from the heads' own step
-    results = ex.generate(PROMPTS, 16)
-    assert sum(r.stats.by_proposer.get("eagle3", [0, 0, 0])[0] for r in results) > 0
+    # Heads accepted almost always are worth drafting with (unpriced, one draft position cost a second).
+    assert ex.engine.policy.choose([0.95], [3], [True]) > 0
