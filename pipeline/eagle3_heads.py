@@ -31,6 +31,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from .layer_math import rms_norm, rotate
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -140,8 +142,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        h = x.float()
-        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class _Attention(nn.Module):
@@ -315,7 +316,7 @@ class Eagle3Heads(nn.Module):
         k = attn.k_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
         v = attn.v_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
         cos, sin = self._rope(positions, x.dtype)
-        return Projected(_rotate(q, cos, sin), _rotate(k, cos, sin), v, residual)
+        return Projected(rotate(q, cos, sin), rotate(k, cos, sin), v, residual)
 
     def finish(self, attended: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """attended [..., T, H, hd] (attention's output per head) -> (normed output for lm_head, prenorm: the next
@@ -338,11 +339,6 @@ class Eagle3Heads(nn.Module):
         angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, hd/2], float32 whatever the dtype
         angles = torch.cat([angles, angles], dim=-1)[..., None, :]  # [..., T, 1, hd]
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, scaling: float) -> Tensor:

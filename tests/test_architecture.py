@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("openai_api/",),
     ("front/",),
     ("serving_contract",),
-    ("speculative/", "methods", "draft_vocab", "kv_settings", "layout", "dtypes", "decoder_support"),
+    ("speculative/", "methods", "draft_vocab", "kv_settings", "layout", "dtypes", "decoder_support", "layer_math"),
     ("errors", "__init__"),
 ]
 

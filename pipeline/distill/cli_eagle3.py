@@ -12,6 +12,8 @@ EAGLE3_VOCAB = 8192  # the draft vocabulary unless --vocab says otherwise (all o
 
 
 def train_eagle3_heads(args, config, layout, target, data, data_key, layers: list[int]) -> int:
+    import torch
+
     from ..artifacts import run_stage
     from ..eagle3_heads import Eagle3Heads
     from ..models import torch_dtype
@@ -26,7 +28,7 @@ def train_eagle3_heads(args, config, layout, target, data, data_key, layers: lis
                             seed=args.seed, vocab=vocab)
 
     def produce(tmp: Path) -> dict:
-        torch_seed(args.seed)
+        torch.manual_seed(args.seed)
         heads = Eagle3Heads.for_target(target, layers, draft_vocab(data, vocab, vocab_size, options))
         history = train_eagle3(heads, target, data, options, state_dir=layout.distill_dir("eagle3-state"),
                                resume=args.resume)
@@ -47,9 +49,3 @@ def train_eagle3_heads(args, config, layout, target, data, data_key, layers: lis
           f"position [{by_position}], about {final.get('accepted_per_step', 0):.2f} greedy tokens accepted per step")
     print(f"name it in a config: speculative: {{method: eagle3, eagle3: {{model: {result.path}}}}}")
     return 0
-
-
-def torch_seed(seed: int) -> None:
-    import torch
-
-    torch.manual_seed(seed)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..decoder_support import unsupported_config
+from ..layer_math import rms_norm, rotate
 from ..quantize import Int8WeightOnlyLinear
 from . import matmul_choice
 from .matmul_choice import KernelPlan, product
@@ -135,20 +136,6 @@ class _Layer(nn.Module):
         _constant(self, f"{name}_bias", None if bias is None else bias.detach())
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Hugging Face's LlamaRMSNorm to the bit: the statistics in float32, the scale in the model's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, d]; cos/sin [T, 1, d]. RoPE with the halves layout Hugging Face's Llama uses."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
-
-
 class LlamaDecoder(nn.Module):
     """The decoder of a loaded Llama-family causal LM (see the module docstring); call it with one packed forward
     inside ``paged_attention.active(plan, cache)``."""
@@ -233,8 +220,8 @@ class LlamaDecoder(nn.Module):
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
-        q = _rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
-        k = _rotate(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
+        q = rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
+        k = rotate(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
         out = torch.ops.specpipe.paged_attention(q, k, v, index, layer.scaling)  # [T, heads, d]
         return product(kind, out.reshape(tokens, self.heads * self.head_dim), layer.o, layer.o_bias)

@@ -80,7 +80,7 @@ class Eagle3Proposer(Proposer):
         self.vocab_size = context.vocab_size
         self.record = context.record_draft
         self._rows: dict[int, _Row] = {}
-        self._kept: OrderedDict[tuple, tuple[Tensor, Tensor, int]] = OrderedDict()  # (salt, tokens) -> k, v, length
+        self._kept: OrderedDict[tuple, tuple[Tensor, Tensor]] = OrderedDict()  # (salt, tokens) -> its pairs' k, v
         c = self.heads.config
         self._ids = self.heads.target_ids(torch.arange(c.draft_vocab_size, device=self.heads.d2t.device))
 
@@ -98,10 +98,10 @@ class Eagle3Proposer(Proposer):
 
     def _reuse(self, row: _Row) -> None:
         """The KV of the reused prefix from a finished request whose tokens start the same way (same salt)."""
-        prefix = row.request.sequence[:row.start + 1]  # a pair's KV depends on the token after it
-        for key, (k, v, length) in reversed(self._kept.items()):
+        prefix = tuple(row.request.sequence[:row.start + 1])  # a pair's KV depends on the token after it
+        for key, (k, v) in reversed(self._kept.items()):
             salt, tokens = key
-            if salt == row.request.cache_salt and length >= row.start and tokens[:row.start + 1] == tuple(prefix):
+            if salt == row.request.cache_salt and k.shape[0] >= row.start and tokens[:row.start + 1] == prefix:
                 row.room(row.start)
                 row.k[:row.start], row.v[:row.start] = k[:row.start], v[:row.start]
                 row.start = 0
@@ -118,7 +118,7 @@ class Eagle3Proposer(Proposer):
         if state is None:
             return 0
         seen = state.length + state.waiting()
-        return k if seen == len(request.sequence) - 1 and (seen > state.start) else 0
+        return k if state.start < seen == len(request.sequence) - 1 else 0
 
     @torch.inference_mode()
     def propose(self, batch: StepBatch, rows: list[int]) -> None:
@@ -194,8 +194,8 @@ class Eagle3Proposer(Proposer):
         keys, values, ancestry = [], [], {}  # the run candidates' KV; candidate -> the KV slots it attends to
         frontier = self._children(-1, logits[None], width, tokens, parents, scores)
         cached = row.k[row.start:row.length], row.v[row.start:row.length]
+        device = prenorm.device
         for depth in range(1, k):
-            device = prenorm.device
             projected = self.heads.project(torch.tensor([tokens[c] for c in frontier], device=device),
                                            torch.stack([hidden[parents[c]] for c in frontier]),
                                            torch.full((len(frontier),), row.length - 1 + depth, device=device))
@@ -268,7 +268,7 @@ class Eagle3Proposer(Proposer):
         if row is None or row.start != 0 or row.length == 0:
             return
         key = (row.request.cache_salt, tuple(row.request.sequence[:row.length + 1]))
-        self._kept[key] = (row.k[:row.length].clone(), row.v[:row.length].clone(), row.length)
+        self._kept[key] = (row.k[:row.length].clone(), row.v[:row.length].clone())
         self._kept.move_to_end(key)
         while len(self._kept) > MAX_KEPT:
             self._kept.popitem(last=False)
