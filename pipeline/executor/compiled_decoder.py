@@ -49,7 +49,7 @@ MAX_IDLE_DAYS = 30  # beyond KEPT_KEYS, a folder unused this long is removed whe
 # The code a package is traced from: the key covers its text, so a changed layer or operator compiles anew.
 CODE = [Path(__file__), *(Path(__file__).with_name(name) for name in ("llama_decoder.py", "paged_attention.py",
                                                                        "matmul_choice.py")),
-        Path(__file__).parent.parent / "quantize.py"]
+        *(Path(__file__).parent.parent / name for name in ("quantize.py", "layer_math.py"))]
 # The frozen weights go into the package as one blob beside the compiled code, not into the shared library: loaded,
 # they are then held once (inside the library they were held twice, the mapped library and the tensors made from it).
 PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False,
