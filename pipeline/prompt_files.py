@@ -25,6 +25,9 @@ from .errors import PipelineError, short_repr
 from .executor.results import RequestError
 
 OBJECT_KEYS = ("text", "messages", "set", "id")
+# The prompt sets shipped with the project, readable by name: categories (SPEED-Bench-style categories of chats),
+# tasks (code, JSON, summaries and prose edits), agentic (tool-use transcripts).
+SHIPPED_PROMPTS = Path(__file__).resolve().parents[1] / "prompts"
 MAX_SET_LABEL = 64
 
 
@@ -45,7 +48,8 @@ def _read_text(path: Path, flag: str) -> str:
     if path.is_dir():
         raise PipelineError(f"{where} is a folder; pass a text file with one prompt per line")
     if not path.is_file():
-        raise PipelineError(f"{where} not found (or not a regular file); pass a text file with one prompt per line")
+        raise PipelineError(f"{where} not found (or not a regular file); pass a text file with one prompt per line, "
+                            f"or the name of a shipped set ({', '.join(shipped_names())})")
     try:
         return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -125,10 +129,25 @@ def _json_list(text: str, where: str) -> list:
     return values
 
 
-def read_prompt_file(path: Path, flag: str = "--prompts", default_set: str | None = None) -> list[PromptItem]:
-    """Every prompt in ``path`` (any of the module's formats), in file order; ``flag`` names the option in errors,
-    ``default_set`` labels items without "set" (default: the file's stem)."""
+def shipped_prompts(path: Path) -> Path:
+    """``path`` itself, or for a bare name of a set shipped in the project's prompts/ folder (``categories``,
+    ``tasks``, ``agentic``) that no file here shadows, the shipped file."""
     path = Path(path)
+    shipped = SHIPPED_PROMPTS / f"{path.name}.jsonl"
+    if not path.exists() and path.parent == Path(".") and not path.suffix and shipped.is_file():
+        return shipped
+    return path
+
+
+def shipped_names() -> list[str]:
+    return sorted(p.stem for p in SHIPPED_PROMPTS.glob("*.jsonl"))
+
+
+def read_prompt_file(path: Path, flag: str = "--prompts", default_set: str | None = None) -> list[PromptItem]:
+    """Every prompt in ``path`` (any of the module's formats, or the name of a shipped set: shipped_prompts), in
+    file order; ``flag`` names the option in errors, ``default_set`` labels items without "set" (default: the
+    file's stem)."""
+    path = shipped_prompts(path)
     where = f"{flag}: {path}"
     text = _read_text(path, flag)
     label = default_set or path.stem or "prompts"

@@ -157,3 +157,14 @@ def test_the_shipped_task_prompts(real_model_dir):
     # code prompts carry the code they ask about, so the reply can copy from the prompt (n-gram lookups pay)
     assert all("def " in i.messages[-1]["content"] or "function " in i.messages[-1]["content"]
                for i in groups["code"])
+
+
+def test_a_shipped_set_by_name(tmp_path, monkeypatch):
+    """`--prompts categories` reads the shipped prompts/categories.jsonl; a file of that name here wins."""
+    items = read_prompt_file(Path("categories"))
+    assert len({item.set for item in items}) == 9 and all(item.is_chat for item in items)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "categories").write_text("my own prompt\n")
+    assert [item.text for item in read_prompt_file(Path("categories"))] == ["my own prompt"]
+    with pytest.raises(PipelineError, match="categories"):  # the error lists the shipped names
+        read_prompt_file(Path("no-such-set"))

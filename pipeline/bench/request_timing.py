@@ -20,6 +20,9 @@ class RequestTiming:
     drafted: int = 0  # draft tokens proposed, accepted by the target, and target steps (the request's stats)
     accepted: int = 0
     steps: int = 0
+    drafted_at: list[int] | None = None  # per draft position, where the path returns them (None: it does not)
+    accepted_at: list[int] | None = None
+    output: list[int] | str | None = None  # the generated ids (or text where a path returns only text)
     started: float = field(default_factory=time.perf_counter)  # perf_counter at send
 
     def queued_since(self, queued: float) -> None:
@@ -28,9 +31,19 @@ class RequestTiming:
         self.first_s = None if self.first_s is None else self.first_s + wait
         self.last_s += wait
 
-    def take_stats(self, drafted: int, accepted: int, steps: int) -> None:
+    def take_stats(self, drafted: int, accepted: int, steps: int, drafted_at: list[int] | None = None,
+                   accepted_at: list[int] | None = None) -> None:
         """The request's running totals as its latest response reported them."""
         self.drafted, self.accepted, self.steps = drafted, accepted, steps
+        if drafted_at is not None:
+            self.drafted_at, self.accepted_at = list(drafted_at), list(accepted_at or [])
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first: (last - first) / (tokens - 1); None where TTFT is unknown."""
+        if self.first_s is None or self.tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.tokens - 1)
 
 
 class TokenArrivals:
@@ -41,8 +54,14 @@ class TokenArrivals:
         self.start = self.timing.started
         self._last: float | None = None
 
-    def arrived(self, count: int, now: float | None = None) -> None:
+    def arrived(self, count: int, now: float | None = None, ids: list[int] | None = None) -> None:
+        """``count`` tokens arrived at ``now`` (default: now); ``ids``, where the path returns them, are kept as the
+        request's output."""
         now = time.perf_counter() if now is None else now
+        if ids is not None:
+            if self.timing.output is None:
+                self.timing.output = []
+            self.timing.output.extend(ids)
         if count <= 0:
             return
         if self._last is None:
@@ -58,8 +77,8 @@ class TokenArrivals:
 
 
 def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
-    """One load's record: tokens/s and requests/s over ``wall_s``, ITL, TTFT and latency p50/p99 in ms, and the
-    mean K and acceptance rate over every request's steps."""
+    """One load's record: tokens/s and requests/s over ``wall_s``, ITL, TTFT, TPOT (per request, after its first
+    token) and latency p50/p99 in ms, and the mean K and acceptance rate over every request's steps."""
     tokens = sum(t.tokens for t in timings)
     itl = [x for t in timings for x in t.itl_s]
     firsts = [t.first_s for t in timings if t.first_s is not None]
@@ -68,6 +87,7 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
     def ms(values: list[float], q: float) -> float | None:
         return round(1000 * percentile(values, q), 3) if values else None
 
+    tpot = [t.tpot_s for t in timings if t.tpot_s is not None]
     drafted, steps = sum(t.drafted for t in timings), sum(t.steps for t in timings)
     return {"requests": len(timings), "tokens": tokens, "wall_s": round(wall_s, 4),
             "mean_draft_len": round(drafted / steps, 3) if steps else None,
@@ -75,4 +95,5 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> dict:
             "tokens_per_s": round(tokens / wall_s, 2), "requests_per_s": round(len(timings) / wall_s, 3),
             "itl_ms_p50": ms(itl, 50), "itl_ms_p99": ms(itl, 99),
             "ttft_ms_p50": ms(firsts, 50), "ttft_ms_p99": ms(firsts, 99),
+            "tpot_ms_p50": ms(tpot, 50), "tpot_ms_p99": ms(tpot, 99),
             "latency_ms_p50": ms(latency, 50), "latency_ms_p99": ms(latency, 99)}

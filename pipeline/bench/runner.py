@@ -12,8 +12,8 @@ Methods (all greedy, batch 1):
   medusa       our runtime, Medusa heads' candidate tree verified in one pass (engines built with method medusa;
                K = the tree's depth); acceptance_by_position is then per tree depth
   eagle3       our runtime, EAGLE-3 heads' chain at each K of the sweep (engines built with an eagle3 section)
-  adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy caps K per step from measured costs
-               and each request's recent acceptance (torch runtime), with the executor's method
+  adaptive     our runtime as `serve` runs it: the engine's adaptive-K policy chooses each row's K per step from
+               measured costs and each request's recent acceptance (torch runtime), with the executor's method
   hf_target    Hugging Face generate() on the same target model (a reference for our runtime's overhead)
   hf_assisted  Hugging Face generate(assistant_model=draft) with a constant num_assistant_tokens = K sweep
   hf_lookup    Hugging Face generate(prompt_lookup_num_tokens=K) at the executor's K: the peer of ngram

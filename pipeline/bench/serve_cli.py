@@ -12,12 +12,14 @@ Writes engines/<name>/bench/serving.json and serving.png.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import PipelineError
 from .arg_checks import check_known, check_range, int_list, name_list
 from .prompts import PROMPT_SETS
-from .serve_matrix import MODES, PATHS, ServeOptions
+from .serve_matrix import MODES, PATHS, ServeOptions, is_mode
 
 SERVE_PROMPT_SETS = (*PROMPT_SETS, "chat")
 
@@ -30,15 +32,21 @@ def add_bench_serve_parser(sub, common) -> None:
                     "(path, mode, C), best of interleaved rounds; plus batch-1 target-only vs HF generate. Writes "
                     "engines/<name>/bench/serving.json and serving.png.")
     common(p)
-    p.add_argument("--concurrency", type=int_list, default=[1, 4, 16, 32], help="comma list (default 1,4,16,32)")
+    p.add_argument("--concurrency", type=int_list, default=[1, 2, 4, 8, 16, 32],
+                   help="comma list (default 1,2,4,8,16,32)")
     p.add_argument("--requests", type=int, default=64, help="requests per (path, mode, C) (default 64)")
     p.add_argument("--max-tokens", type=int, default=32, help="tokens generated per request (default 32)")
-    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds; each cell keeps its best (default 2)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="interleaved rounds; each cell reports its median and min/max (default 3)")
     p.add_argument("--modes", type=name_list, default=list(MODES), help=f"comma list (default {','.join(MODES)})")
     p.add_argument("--paths", type=name_list, default=list(PATHS), help=f"comma list (default {','.join(PATHS)})")
     p.add_argument("--prompt-set", default="code",
                    help=f"built-in prompt set: {', '.join(SERVE_PROMPT_SETS)} (default code); chat puts one long "
                         f"system prompt before every question, through the chat template when the tokenizer has one")
+    p.add_argument("--prompts", default=None, metavar="FILE|NAME",
+                   help="your prompts instead of --prompt-set (a prompts file as bench takes it, chats through the "
+                        "chat template), or a shipped set by name: categories (9 categories of chats), tasks, "
+                        "agentic; sets are interleaved so every category is in the traffic")
     p.add_argument("--num-prompts", type=int, default=8, help="distinct prompts, sent in turn (default 8)")
     p.add_argument("--hf-rounds", type=int, default=3,
                    help="rounds of batch-1 target-only vs HF generate (0 skips it; default 3)")
@@ -55,7 +63,10 @@ def _checked_options(args) -> ServeOptions:
     check_range("--hf-rounds", options.hf_rounds, 0)
     for c in options.concurrency:
         check_range("--concurrency", c, 1, options.requests, fix="each client needs at least one request")
-    check_known("--modes", options.modes, MODES)
+    unknown = [mode for mode in options.modes if not is_mode(mode)]
+    if unknown:
+        raise PipelineError(f"--modes: {', '.join(unknown)} unknown; choose from {', '.join(MODES)} or "
+                            f"speculative_kN (every request names K = N)")
     check_known("--paths", options.paths, PATHS)
     check_known("--prompt-set", [args.prompt_set], SERVE_PROMPT_SETS)
     return options
@@ -68,7 +79,9 @@ def cmd_bench_serve(args) -> int:
     options = _checked_options(args)
     config = load_config(args.config)
     texts = _prompt_texts(args, config)  # before the models load: a bad set fails at once
+    opened = time.perf_counter()
     executor = _open_engines(args, config)
+    startup_s = time.perf_counter() - opened  # loading and compiling, kept apart from every measured cell
     prompts, shared_prefix = _fitted_prompts(executor, texts, args.num_prompts, options.max_tokens)
     started, commit = timestamp(), git_commit(Path(__file__).resolve().parents[2])
     batch1 = None
@@ -80,14 +93,30 @@ def cmd_bench_serve(args) -> int:
               f"{batch1['hf_target_tokens_per_s']:.1f} tok/s ({batch1['target_vs_hf']:.2f}x)")
     out_dir = args.out or args.engines_dir / config.name / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
-    records = _run_cells(args, config, executor, prompts, options, out_dir)
+    phases = {"startup_s": round(startup_s, 2)}
+    records = _run_cells(args, config, executor, prompts, options, out_dir, phases)
+    method = config.speculative.method
+    for record in records:
+        record["method"] = None if record["mode"] == "target_only" else method
     _report(config, executor, records, batch1, out_dir, {
-        "started": started, "git_commit": commit,
-        "options": {**options.to_dict(), "prompt_set": args.prompt_set, "num_prompts": len(prompts),
+        "started": started, "git_commit": commit, "phases": phases,
+        "model": config.target.model, "draft": _draft_description(config),
+        "options": {**options.to_dict(), "prompt_set": args.prompts or args.prompt_set, "num_prompts": len(prompts),
                     "shared_prefix_tokens": shared_prefix, "decoding": "greedy",
                     "max_batch_size": executor.max_batch_size, "k": executor.max_draft_len,
-                    "adaptive_draft_len": True}})
+                    "adaptive_draft_len": True, "method": method}})
     return 0
+
+
+def _draft_description(config) -> str | None:
+    """What drafts, for the results: the draft model, the heads' folder, or the lookup method's name."""
+    spec = config.speculative
+    for part in (getattr(spec, "eagle3", None), getattr(spec, "medusa", None)):
+        if part is not None and spec.method in ("eagle3", "medusa"):
+            return str(getattr(part, "model", None) or spec.method)
+    if config.draft is not None and spec.method in ("draft_model", "ngram+draft"):
+        return config.draft.model
+    return spec.method
 
 
 def _prompt_texts(args, config) -> list[str] | None:
@@ -95,6 +124,8 @@ def _prompt_texts(args, config) -> list[str] | None:
     from ..errors import PipelineError
     from .prompts import load_prompt_set, pair_seed_of
 
+    if args.prompts is not None:
+        return _file_prompts(args, config)
     if args.prompt_set == "chat":
         return None
     target_folder = config.base_dir / config.target.model
@@ -103,6 +134,18 @@ def _prompt_texts(args, config) -> list[str] | None:
         return load_prompt_set(args.prompt_set, args.num_prompts, pair_seed=pair_seed)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None
+
+
+def _file_prompts(args, config) -> list:
+    """A prompts file's (or shipped set's) items, the sets interleaved (one of each in turn) so that the first
+    --num-prompts hold every set: raw texts as text, chats as message lists (encoded once the tokenizer is open)."""
+    from itertools import chain, zip_longest
+
+    from ..prompt_files import group_by_set, read_prompt_file
+
+    groups = list(group_by_set(read_prompt_file(args.prompts, flag="--prompts")).values())
+    mixed = [item for item in chain.from_iterable(zip_longest(*groups)) if item is not None]
+    return [item.messages if item.is_chat else item.text for item in mixed[:args.num_prompts]]
 
 
 def _open_engines(args, config):
@@ -124,7 +167,7 @@ def _fitted_prompts(executor, texts: list[str] | None, num_prompts: int, max_tok
     from .runner import fit_prompt
 
     if texts is not None:
-        return [fit_prompt(executor, text, max_tokens) for text in texts], None
+        return [fit_prompt(executor, _encoded(executor, text), max_tokens) for text in texts], None
     try:
         return fit_shared_prefix(*chat_prompt_ids(executor.tokenizer, num_prompts),
                                  lambda ids: fit_prompt(executor, ids, max_tokens))  # encode passes ids through
@@ -132,29 +175,53 @@ def _fitted_prompts(executor, texts: list[str] | None, num_prompts: int, max_tok
         raise PipelineError(str(exc)) from None
 
 
-def _run_cells(args, config, executor, prompts: list[list[int]], options: ServeOptions, out_dir: Path
-               ) -> list[dict]:
-    """Every (path, mode, C) cell: the engine in this process, and a tritonserver when a Triton path is asked for."""
+def _encoded(executor, prompt):
+    """A chat (a message list) as token ids through the model's chat template (a tokenizer without one: the
+    messages' texts, one after another); text and ids as they are."""
+    from ..chat import encode_chat, has_chat_template
+
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
+        if has_chat_template(executor.tokenizer):
+            return encode_chat(executor.tokenizer, prompt)
+        return "\n\n".join(message["content"] for message in prompt) + "\n"
+    return prompt
+
+
+def _run_cells(args, config, executor, prompts: list[list[int]], options: ServeOptions, out_dir: Path,
+               phases: dict) -> list[dict]:
+    """Every (path, mode, C) cell: the engine in this process, and a tritonserver (with the OpenAI endpoint in
+    front of it for the openai path) when a served path is asked for."""
     from ..executor.serving_loop import ServingLoop
-    from .serve_clients import EngineClient, TritonHttpClient, TritonStreamClient, engine_totals, triton_totals
+    from .memory import weight_bytes
+    from .serve_clients import EngineClient, OpenAIClient, TritonHttpClient, TritonStreamClient, engine_totals, \
+        triton_totals
     from .serve_matrix import add_ratios, run_matrix
-    from .triton_launch import start_triton
+    from .triton_launch import start_openai, start_triton
 
     loop = ServingLoop(executor.engine)
     clients: dict[str, Callable[[], object]] = {"engine": lambda: EngineClient(executor, loop)}
     totals: dict[str, Callable[[], dict]] = {"engine": lambda: engine_totals(executor.engine)}
-    server = None
+    server = openai = None
     try:
-        if {"triton", "triton_stream"} & set(options.paths):
+        if {"triton", "triton_stream", "openai"} & set(options.paths):
+            started = time.perf_counter()
             server = start_triton(config, args.engines_dir, out_dir / "serving-tritonserver.log")
             clients["triton"] = lambda: TritonHttpClient(server.endpoints.http)
             clients["triton_stream"] = lambda: TritonStreamClient(server.endpoints.grpc)
-            totals["triton"] = totals["triton_stream"] = lambda: triton_totals(server.endpoints.metrics_url)
+            served = lambda: triton_totals(server.endpoints.metrics_url)  # noqa: E731
+            totals["triton"] = totals["triton_stream"] = totals["openai"] = served
+            if "openai" in options.paths:
+                openai = start_openai(config, args.engines_dir, server.endpoints.grpc)
+                clients["openai"] = lambda: OpenAIClient(openai.url, config.name)
+            phases["server_start_s"] = round(time.perf_counter() - started, 2)
         clients = {path: make for path, make in clients.items() if path in options.paths}
         records = run_matrix(clients, prompts, options, executor.max_draft_len, totals=totals,
-                             max_batch=executor.max_batch_size)
+                             max_batch=executor.max_batch_size, weight_bytes=weight_bytes(executor.engine.target.model),
+                             phases=phases)
     finally:
         loop.stop()
+        if openai is not None:
+            openai.stop()
         if server is not None:
             server.stop()
     add_ratios(records)
@@ -169,14 +236,18 @@ def _report(config, executor, records: list[dict], batch1: dict | None, out_dir:
     from .runner import machine_info, timestamp
     from .serve_plot import plot_serving
     from .serve_report import format_serving_table, targets_met
+    from .specdec_layout import write_specdec
 
     machine = {**machine_info(str(executor.device)), "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
     results = {"config": config.name, "started": run["started"], "finished": timestamp(),
                "git_commit": run["git_commit"], "machine": machine, "options": run["options"],
+               "model": run["model"], "draft": run["draft"], "phases": run["phases"],
                "records": records, "batch1_target_vs_hf": batch1, "targets": targets_met(records)}
     tmp = out_dir / "serving.json.tmp"
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     tmp.replace(out_dir / "serving.json")
+    specdec = write_specdec(records, {**run, "config": config.name, "machine": machine,
+                                      "finished": results["finished"]}, out_dir / "specdec_bench")
     plot = plot_serving(records, out_dir / "serving.png",
                         f"{config.name}: {machine['cpu']} ({machine['cpu_count']} cores, {machine['torch_threads']} "
                         f"torch threads), {run['options']['max_tokens']} tokens/request greedy, engine batch "
@@ -184,4 +255,5 @@ def _report(config, executor, records: list[dict], batch1: dict | None, out_dir:
     print(format_serving_table(records))
     for line in results["targets"]:
         print(line)
-    print(f"wrote {out_dir / 'serving.json'} and {plot}")
+    print(f"wrote {out_dir / 'serving.json'}, {plot} and {len(specdec)} files in specdec_bench's layout under "
+          f"{out_dir / 'specdec_bench'}")

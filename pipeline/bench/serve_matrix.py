@@ -1,42 +1,58 @@
-"""The bench-serve matrix: every (path, mode, concurrency) cell, rounds interleaved, each cell's best round.
+"""The bench-serve matrix: every (path, mode, concurrency) cell, rounds interleaved, each cell's median round.
 
 Modes, for every path (see serve_clients) and concurrency C:
 
   one_at_a_time      one request in flight at a time (a lock shared by all clients, held from send to last
                      token): serving without in-flight batching; K as a plain request gets it
-  target_only        batched, every request max_draft_len = 0
-  speculative        batched, K as a plain request gets it (the engine caps K per step from measured costs)
-  speculative_fixed  batched, every request names K = the config's K (the engine never caps a named K)
+  target_only        batched, every request max_draft_len = 0 (speculation off)
+  speculative        batched, K not named: the engine's policy picks each row's K per step from measured costs
+  speculative_fixed  batched, every request names K = the config's K (the engine never lowers a named K)
+  speculative_kN     batched, every request names K = N (for the best fixed K over several)
 
-Cells are interleaved over rounds (round 1 of every cell, then round 2, ...) and each cell keeps its best round by
-tokens/s: the machine is shared and load from elsewhere only ever makes a round slower. A path's totals reader, read
-before and after each cell, gives the cell's prefix cache hit rate and mean batch occupancy (cell_usage).
+Cells are interleaved over rounds (round 1 of every cell, then round 2, ...); a cell's record is its median round by
+tokens/s, with every round's rate, their min / median / max and whether they lie within +-5% of the median
+(serve_metrics). A path's totals reader, read before and after each round, gives the cell's prefix cache hit rate,
+mean batch occupancy, engine steps (for the achieved weight bandwidth) and, where the engine exports them,
+per-position acceptance (cell_usage). Each request's output is compared with target_only's for the same prompt on
+the same path and concurrency (exact match, greedy).
 """
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .load_generator import run_load
 from .request_timing import summarize
+from .serve_metrics import acceptance_summary, exact_match, median_round, position_rates, request_positions, spread
 
 MODES = ("one_at_a_time", "target_only", "speculative", "speculative_fixed")
-PATHS = ("engine", "triton", "triton_stream")
+PATHS = ("engine", "triton", "triton_stream", "openai")
 ADAPTIVE = "adaptive"  # a mode's K when the request names none (the engine's K, capped per step)
 
 
+FIXED_K = re.compile(r"speculative_k(\d+)$")  # a further fixed-K mode: speculative_k2 names K = 2 on every request
+
+
+def is_mode(mode: str) -> bool:
+    return mode in MODES or FIXED_K.match(mode) is not None
+
+
 def mode_draft_len(mode: str, k: int) -> int | None:
-    """The K a mode's requests name: None = not named (the engine's K under its adaptive cap)."""
+    """The K a mode's requests name: None = not named (the engine's policy chooses each row's K per step)."""
+    if (fixed := FIXED_K.match(mode)) is not None:
+        return int(fixed.group(1))
     return {"target_only": 0, "speculative_fixed": k}.get(mode)
 
 
 @dataclass
 class ServeOptions:
-    concurrency: list[int] = field(default_factory=lambda: [1, 4, 16, 32])
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
     requests: int = 64  # N per cell, shared among the C clients
     max_tokens: int = 32
-    rounds: int = 2
+    rounds: int = 3
     modes: list[str] = field(default_factory=lambda: list(MODES))
     paths: list[str] = field(default_factory=lambda: list(PATHS))
     hf_rounds: int = 3  # batch-1 target-only vs HF generate (hf_baseline); 0 skips it
@@ -46,9 +62,10 @@ class ServeOptions:
 
 
 def cell_usage(before: dict | None, after: dict | None, max_batch: int) -> dict:
-    """A cell's prefix_hit_rate (prompt tokens reused / looked up) and occupancy (mean running requests per engine
-    step / max_batch) from the engine totals (serve_clients.engine_totals) read before and after it; None where a
-    total is unknown or did not move."""
+    """A cell's prefix_hit_rate (prompt tokens reused / looked up), occupancy (mean running requests per engine
+    step / max_batch), engine_steps, and per-position acceptance where the totals carry position counts, from the
+    engine totals (serve_clients.engine_totals / triton_totals) read before and after it; None where a total is
+    unknown or did not move."""
 
     def delta(key: str) -> float | None:
         if before is None or after is None or before.get(key) is None or after.get(key) is None:
@@ -56,39 +73,69 @@ def cell_usage(before: dict | None, after: dict | None, max_batch: int) -> dict:
         return after[key] - before[key]
 
     queried, hit, steps, rows = (delta(key) for key in ("queried_tokens", "hit_tokens", "steps", "rows"))
+    positions = None
+    if before is not None and after is not None and after.get("drafted_at") is not None:
+        width = len(after["drafted_at"])
+        pad = lambda values: list(values or []) + [0] * (width - len(values or []))  # noqa: E731
+        drafted = [a - b for a, b in zip(after["drafted_at"], pad(before.get("drafted_at")))]
+        accepted = [a - b for a, b in zip(pad(after.get("accepted_at")), pad(before.get("accepted_at")))]
+        positions = position_rates(drafted, accepted)
     return {"prefix_hit_rate": round(hit / queried, 3) if queried and hit is not None else None,
-            "occupancy": round(rows / steps / max_batch, 3) if steps and rows is not None else None}
+            "occupancy": round(rows / steps / max_batch, 3) if steps and rows is not None else None,
+            "engine_steps": int(steps) if steps is not None else None, "total_positions": positions}
 
 
 def run_matrix(clients: dict[str, Callable[[], object]], prompts: list[list[int]], options: ServeOptions, k: int,
                note: Callable[[str], None] = print, totals: dict[str, Callable[[], dict]] | None = None,
-               max_batch: int = 1) -> list[dict]:
-    """Every (path, mode, concurrency) cell, rounds interleaved; one record per cell, its best round. ``totals``:
-    per path, a reader of the serving engine's running totals (none: the cell's usage fields are None)."""
+               max_batch: int = 1, weight_bytes: int | None = None, phases: dict | None = None) -> list[dict]:
+    """Every (path, mode, concurrency) cell, rounds interleaved; one record per cell: its median round, with the
+    spread of all rounds and exact match against target_only on the same path and concurrency. ``totals``: per path,
+    a reader of the serving engine's running totals (none: the cell's usage fields are None); ``weight_bytes``: the
+    target's, for the achieved weight bandwidth; ``phases`` gets the warm-up's seconds (``warmup_s``)."""
     totals = totals or {}
     cells = [(path, mode, c) for c in options.concurrency for path in options.paths if path in clients
              for mode in options.modes]
-    best: dict[tuple[str, str, int], dict] = {}
+    rounds: dict[tuple[str, str, int], list[dict]] = {}
+    started = time.perf_counter()
     for make in clients.values():  # warm-up: first requests pay connection and allocator costs
         run_load(make, prompts, min(4, options.requests), 2, options.max_tokens, None, False)
+    if phases is not None:
+        phases["warmup_s"] = round(time.perf_counter() - started, 2)
     for round_index in range(options.rounds):
         for path, mode, c in cells:
-            draft_len = mode_draft_len(mode, k)
-            read = totals.get(path)
-            before = read() if read else None
-            timings, wall = run_load(clients[path], prompts, options.requests, c, options.max_tokens, draft_len,
-                                     mode == "one_at_a_time")
-            usage = cell_usage(before, read() if read else None, max_batch)
-            record = {"path": path, "mode": mode, "concurrency": c,
-                      "k": ADAPTIVE if draft_len is None else draft_len, **summarize(timings, wall), **usage}
-            key = (path, mode, c)
-            if key not in best or record["tokens_per_s"] > best[key]["tokens_per_s"]:
-                best[key] = record
+            record = run_cell(clients[path], prompts, options, (path, mode, c), k, totals.get(path), max_batch,
+                              weight_bytes)
+            rounds.setdefault((path, mode, c), []).append(record)
             note(f"round {round_index + 1}/{options.rounds} {path:13s} {mode:17s} C={c:<3d} "
                  f"{record['tokens_per_s']:8.1f} tok/s")
-    for record in best.values():
-        record["best_of_rounds"] = options.rounds  # how many rounds it was the best of
-    return [best[key] for key in cells]
+    records = {key: {**median_round(rounds[key]), **spread([r["tokens_per_s"] for r in rounds[key]])}
+               for key in cells}
+    for (path, mode, c), record in records.items():
+        reference = records.get((path, "target_only", c))
+        record["exact_match"] = exact_match(record["outputs"], reference["outputs"]) if reference else None
+    for record in records.values():
+        del record["outputs"]
+    return [records[key] for key in cells]
+
+
+def run_cell(make_client: Callable[[], object], prompts: list[list[int]], options: ServeOptions,
+             cell: tuple[str, str, int], k: int, read: Callable[[], dict] | None, max_batch: int,
+             weight_bytes: int | None) -> dict:
+    """One round of one cell: its load, summarized, with its engine usage and acceptance figures and every
+    request's output (for exact match; removed before the record is written)."""
+    path, mode, c = cell
+    draft_len = mode_draft_len(mode, k)
+    before = read() if read else None
+    timings, wall = run_load(make_client, prompts, options.requests, c, options.max_tokens, draft_len,
+                             mode == "one_at_a_time")
+    usage = cell_usage(before, read() if read else None, max_batch)
+    totals_positions = usage.pop("total_positions")
+    steps = usage["engine_steps"]
+    return {"path": path, "mode": mode, "concurrency": c, "k": ADAPTIVE if draft_len is None else draft_len,
+            **summarize(timings, wall), **usage, **acceptance_summary(timings),
+            "per_position_acceptance": request_positions(timings) or totals_positions,
+            "weight_gb_per_s": round(weight_bytes * steps / wall / 1e9, 3) if weight_bytes and steps else None,
+            "outputs": [t.output for t in timings]}
 
 
 def add_ratios(records: list[dict]) -> None:

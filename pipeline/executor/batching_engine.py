@@ -4,7 +4,7 @@ Per step, for the running requests (rows) at once:
   1. Admit: waiting requests join while the batch and the KV pool have room; each is prefilling until its prompt
      has KV. When its prefill starts it opens its sequence in the target's KV cache, and in the draft's when its
      method drafts with the model, taking the cached blocks its prompt starts with (prefix reuse).
-  2. Propose: each decoding row gets its step_draft_len (its own K, within the K policy's batch-wide cap), and the
+  2. Propose: each decoding row gets its step_draft_len (its own K, within what the K policy chose for it), and the
      proposer that proposers.choose_drafter picks for it drafts up to that many tokens into a StepBatch; the draft
      model runs one batched forward per draft position for all the rows it drafts, its first forward also catching
      up on tokens the draft has not seen.
@@ -299,14 +299,14 @@ class BatchingEngine:
         batch = StepBatch(rows)
         proposers = [self.proposers[request.method] for request in rows]
         if any(request.id not in plan for request in rows):
-            cap = None
-            if self.policy is not None and not alone:  # a batch-wide cap means nothing for one row
+            caps: list[int | None] = [None] * len(rows)
+            if self.policy is not None and not alone:  # priced for the batch: one row alone keeps its own K
                 own = [request.step_draft_len() for request in rows]
                 limits = [proposer.limit(batch, row, own[row]) if own[row] else 0
                           for row, proposer in enumerate(proposers)]
-                cap = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers],
-                                       [p.verify_width for p in proposers])
-            for request in rows:
+                caps = self.policy.plan([r.id for r in rows], limits, [p.uses_model for p in proposers],
+                                        [p.verify_width for p in proposers])
+            for request, cap in zip(rows, caps):
                 plan.setdefault(request.id, request.step_draft_len(cap))
         batch.k = [plan[request.id] for request in rows]
         routed: dict[Proposer, list[int]] = {}

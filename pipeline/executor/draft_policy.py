@@ -141,7 +141,7 @@ class _Row:
 
 
 class DraftPolicy:
-    """Chooses the batch's K cap each step; rows keep their own K below it."""
+    """Chooses each row's K every step (never above the row's own)."""
 
     def __init__(self, engine_draft_len: int):
         self.engine_draft_len = engine_draft_len  # the largest cap it may choose
@@ -188,16 +188,16 @@ class DraftPolicy:
             del self._rows[row]
 
     def plan(self, rows: Sequence[int], row_limits: Sequence[int], uses_model: Sequence[bool] | None = None,
-             widths: Sequence | None = None) -> int:
-        """The K cap for one engine step over requests ``rows`` (their ids), each able to propose at most
+             widths: Sequence | None = None) -> list[int]:
+        """Each row's K for one engine step over requests ``rows`` (their ids), each able to propose at most
         ``row_limits[r]`` tokens: ``choose`` with each row's rate, a row due for a probe planned at PROBE_RATE or
-        more; 0 on every PLAIN_EVERY-th step."""
+        more; all 0 on every PLAIN_EVERY-th step."""
         self.keep_only(set(rows))
         self._steps += 1
         if self._steps % PLAIN_EVERY == 0:
             for row in rows:
                 self._row(row).probing = False
-            return 0
+            return [0] * len(rows)
         rates = []
         for row in rows:
             state = self._row(row)
@@ -207,32 +207,71 @@ class DraftPolicy:
         return self.choose(rates, row_limits, uses_model, widths)
 
     def choose(self, row_rates: Sequence[float], row_limits: Sequence[int],
-               uses_model: Sequence[bool] | None = None, widths: Sequence | None = None) -> int:
-        """The K cap maximising expected tokens per second for rows with these acceptance estimates and K limits.
+               uses_model: Sequence[bool] | None = None, widths: Sequence | None = None) -> list[int]:
+        """Each row's K (0 included) maximising expected tokens per second for rows with these acceptance estimates
+        and K limits.
 
-        ``uses_model[r]``: row r drafts with the draft model (K draft forwards); False for n-gram lookup rows,
-        whose proposals cost nothing but the wider verify (default: every row uses the model). ``widths[r]``: for a
-        row that verifies a tree, tokens verified at a given K (default K + 1). Lookup rows keep
-        the i.i.d. sum although lookups tend to be right or wrong as a run: counting them as 1 + a*K tokens made
-        bench-serve on the code pair draft at 16-32 clients and fall to 0.87x target-only (0.93-1.02x with the
-        sum), so the sum's caution is the better trade where serving must never be slower."""
+        ``uses_model[r]``: row r drafts with a model (K draft forwards, all drafting rows together); False for
+        lookup rows, whose proposals cost nothing but the wider verify (default: every row uses a model).
+        ``widths[r]``: for a row that verifies a tree, tokens verified at a given K (default K + 1).
+
+        A row's j-th draft token adds a_r^j expected tokens (the i.i.d. sum) and widens the verify by its own tokens,
+        so for any number of verified tokens the best split is the one that takes the largest gains per token
+        first: the candidates are the prefixes of that order, each priced whole (the target forward over every
+        row's tokens, plus the draft forwards, as many as the deepest model row drafts). A prose row then stays at
+        0 beside a code row at 6, where one cap for the batch drafts both or neither; the best single cap is
+        priced too, and kept when it does better (the order ignores what depth costs in draft forwards). Lookup
+        rows keep the i.i.d. sum although lookups tend to be right or wrong as a run: counting them as 1 + a*K
+        tokens made bench-serve on the code pair draft at 16-32 clients and fall to 0.87x target-only (0.93-1.02x
+        with the sum), so the sum's caution is the better trade where serving must never be slower."""
         rows = len(row_rates)
         if rows == 0:
-            return 0
+            return []
         uses_model = [True] * rows if uses_model is None else list(uses_model)
-        best_k, best = 0, rows / self.target(rows)
-        for k in range(1, self.engine_draft_len + 1):
-            ks = [min(k, limit) for limit in row_limits]
-            tokens = sum(expected_tokens_per_step(a, kr) for a, kr in zip(row_rates, ks))
-            drafting = sum(1 for kr, model in zip(ks, uses_model) if kr > 0 and model)
-            draft_seconds = k * self.draft(drafting) if drafting else 0.0
-            # The verify packs the rows' tokens: K + 1 per chain row, and for a tree row (Medusa) its tree cut to
-            # depth K, widths[r](K) tokens.
-            verified = sum(kr + 1 if widths is None or widths[r] is None else widths[r](kr) for r, kr in enumerate(ks))
-            seconds = draft_seconds + self.target(verified)
-            if tokens / seconds > best:
-                best_k, best = k, tokens / seconds
-        return best_k
+        width = [(lambda k: k + 1) if widths is None or widths[r] is None else widths[r] for r in range(rows)]
+        plans = [self._by_gain(row_rates, row_limits, uses_model, width)]
+        plans += [[min(k, limit) for limit in row_limits] for k in range(1, self.engine_draft_len + 1)]
+        best_ks, best = [0] * rows, rows / self.target(rows)
+        for ks in plans:
+            rate = self._tokens_per_second(row_rates, ks, uses_model, width)
+            if rate > best:
+                best_ks, best = ks, rate
+        return list(best_ks)
+
+    def _tokens_per_second(self, rates, ks, uses_model, width) -> float:
+        tokens = sum(expected_tokens_per_step(a, k) for a, k in zip(rates, ks))
+        model_ks = [k for k, model in zip(ks, uses_model) if k > 0 and model]
+        draft_seconds = max(model_ks) * self.draft(len(model_ks)) if model_ks else 0.0
+        return tokens / (draft_seconds + self.target(sum(width[r](k) for r, k in enumerate(ks))))
+
+    def _by_gain(self, rates, limits, uses_model, width) -> list[int]:
+        """The best per-row split along the order of gain per verified token (see ``choose``), priced incrementally:
+        one pass over rows x K candidates, each priced in constant time."""
+        items = []  # (minus gain per verified token, row, j, gain, tokens added to the verify)
+        for r, (a, limit) in enumerate(zip(rates, limits)):
+            ratio = float("inf")
+            for j in range(1, min(limit, self.engine_draft_len) + 1):
+                added = max(width[r](j) - width[r](j - 1), 1)
+                ratio = min(ratio, a ** j / added)  # never above the row's previous token: taken in order
+                items.append((-ratio, r, j, a ** j, added))
+        items.sort()
+        rows = len(rates)
+        tokens, verified, model_rows, deepest = float(rows), rows, 0, 0
+        best, taken = rows / self.target(rows), 0
+        for index, (_, r, j, gain, added) in enumerate(items):
+            tokens += gain
+            verified += added
+            if uses_model[r]:
+                model_rows += j == 1
+                deepest = max(deepest, j)
+            draft_seconds = deepest * self.draft(model_rows) if model_rows else 0.0
+            rate = tokens / (draft_seconds + self.target(verified))
+            if rate > best:
+                best, taken = rate, index + 1
+        ks = [0] * rows
+        for _, r, j, _, _ in items[:taken]:
+            ks[r] = max(ks[r], j)
+        return ks
 
     @torch.inference_mode()
     def calibrate(self, target_model, draft_model, max_rows: int, device, vocab: int, repeats: int = 3) -> None:

@@ -86,7 +86,7 @@ class SpecRequest:
 
     def step_draft_len(self, cap: int | None = None) -> int:
         """The next step's K: the request's own (dynamic or fixed), never more than can be emitted (a step emits up
-        to K + 1 tokens), and within ``cap`` when the engine limits K for the whole batch. The cap is ignored when
+        to K + 1 tokens), and within ``cap`` when the engine's policy chose a lower K for it. The cap is ignored when
         the caller named K, and by a seeded sampling request: its random draws, hence its tokens, depend on the K
         it drafts, and a seeded result must not depend on the batch it ran in."""
         k = self.dynamic_draft_len if self.plan.dynamic else self.plan.max_draft_len

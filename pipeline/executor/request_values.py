@@ -4,8 +4,8 @@ callers with other spellings (``--max-new-tokens``, ``max_tokens``) pass ``names
 typed.
 
 K, the number of tokens drafted in one step, has one name per scope, used across the runtime:
-  step_draft_len    one step's K for one row: what it drafts now (dynamic K, the engine's batch-wide cap and the
-                    tokens left to generate can lower it below the request's max_draft_len);
+  step_draft_len    one step's K for one row: what it drafts now (dynamic K, the K the engine's policy chose for
+                    it and the tokens left to generate can lower it below the request's max_draft_len);
   max_draft_len     one request's K: the most it drafts per step (the fixed K, or the ceiling of "auto"). The public
                     name: ``generate(max_draft_len=...)``, `run --max-draft-len`, Triton's ``num_draft_tokens``; an
                     executor's ``max_draft_len`` is the value of a request that names none (config
@@ -35,7 +35,7 @@ class DraftPlan:
 
     max_draft_len: int  # the request's K: every step_draft_len is at most this (and equals it when not dynamic)
     dynamic: bool = False  # follow the observed acceptance (next_draft_len) within 1..max_draft_len
-    explicit: bool = False  # the caller named K: the engine drafts exactly that, never a lower batch-wide cap
+    explicit: bool = False  # the caller named K: the engine drafts exactly that, never the policy's lower K
 
 
 @dataclass(frozen=True)

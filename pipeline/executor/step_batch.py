@@ -21,7 +21,7 @@ from .request import SpecRequest
 @dataclass
 class StepBatch:
     requests: list[SpecRequest]  # [B] the decoding rows, in the order the scheduler runs them
-    k: list[int] = field(default_factory=list)  # [B] each row's step_draft_len (after the batch's K cap)
+    k: list[int] = field(default_factory=list)  # [B] each row's step_draft_len (within the policy's K for it)
     proposals: list[list[int]] = field(default_factory=list)  # [B][num_draft] each row's draft tokens
     proposal_probs: list[Tensor | None] = field(default_factory=list)  # [B] [num_draft, V] for sampled rows, else None
     proposer: list[Method | None] = field(default_factory=list)  # [B] who drafted each row (None: a plain step)

@@ -63,6 +63,22 @@ def free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
+def openai_server(config: PipelineConfig, engines_dir: Path, triton_grpc: str, sock: socket.socket, guard=None):
+    """The OpenAI-compatible endpoint (not started) for a built config's engines, a gRPC client of ``triton_grpc``,
+    with the limits of the config's serve section (``guard`` None: loopback Host names, no key)."""
+    from ..engine_info import read_engine
+    from ..layout import Layout
+    from ..openai_api.protocol import ServedModel
+    from ..openai_api.server import OpenAIServer
+    from .request_inputs import max_prompt_bytes
+
+    s = config.serve
+    target = read_engine(Layout.for_config(config, engines_dir).root, "target")
+    served = ServedModel(config.name, target.max_seq_len, target.max_input_len, max_prompt_bytes(target.max_input_len))
+    return OpenAIServer(served, triton_grpc, sock, guard=guard, request_timeout_s=s.request_timeout_s,
+                        max_connections=s.max_connections, read_timeout_s=s.read_timeout_s)
+
+
 @dataclass
 class Fronts:
     """The public listeners of one `serve`; reserve() binds them, start() serves, drain()/kill() end them."""
@@ -136,19 +152,8 @@ class Fronts:
         return lines
 
     def _start_openai(self, engines_dir: Path) -> str:
-        from ..engine_info import read_engine
-        from ..layout import Layout
-        from ..openai_api.protocol import ServedModel
-        from ..openai_api.server import OpenAIServer
-        from .request_inputs import max_prompt_bytes
-
-        s = self.config.serve
-        target = read_engine(Layout.for_config(self.config, engines_dir).root, "target")
-        served = ServedModel(self.config.name, target.max_seq_len, target.max_input_len,
-                             max_prompt_bytes(target.max_input_len))
-        openai = OpenAIServer(served, self.triton_endpoints.grpc, self._openai_socket,
-                              guard=self.guard(self.openai_port, "json"), request_timeout_s=s.request_timeout_s,
-                              max_connections=s.max_connections, read_timeout_s=s.read_timeout_s)
+        openai = openai_server(self.config, engines_dir, self.triton_endpoints.grpc, self._openai_socket,
+                               guard=self.guard(self.openai_port, "json"))
         self._started.append(openai.start())
         return openai.url
 

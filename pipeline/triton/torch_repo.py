@@ -2,8 +2,9 @@
 
 - ``speculative_stream``  decoupled, one instance: hosts the engine (models loaded once); one response per target
                           step. Every request, from either model, joins the engine's running batch.
-- ``speculative``         request/response: thin proxy instances that forward to ``speculative_stream`` (BLS) and
-                          answer with one response holding the text, ids and acceptance stats.
+- ``speculative``         request/response: thin proxy instances (two per batch row, one request each at a time)
+                          that forward to ``speculative_stream`` (BLS) and answer with one response holding the
+                          text, ids and acceptance stats.
 
 Both run ``python_model/model.py`` (copied in as ``<model>/1/model.py``); the ``role`` parameter picks the part.
 """
@@ -20,6 +21,7 @@ from ..config import PipelineConfig
 from ..serving_contract import ENGINE_INPUTS, INPUTS, MODEL, OUTPUTS, REQUIRED_INPUTS, STREAM_MODEL
 from .pbtxt import cpu_instances, set_parameters, tensor_in, tensor_out, write_model
 
+PROXIES_PER_ROW = 2  # request/response proxy instances per engine batch row
 MODEL_FILE = Path(__file__).with_name("python_model") / "model.py"
 PIPELINE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `pipeline` package
 
@@ -27,8 +29,8 @@ PIPELINE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the
 def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: Path) -> mc.ModelConfig:
     model = mc.ModelConfig(name=name, backend="python", max_batch_size=config.build.max_batch_size)
     model.model_transaction_policy.decoupled = engine
-    # Requests queue here and reach execute() together; the engine model only hands them to its running batch.
-    model.dynamic_batching.max_queue_delay_microseconds = config.serve.max_queue_delay_us
+    if engine:  # requests queue here and reach execute() together; it only hands them to the running batch
+        model.dynamic_batching.max_queue_delay_microseconds = config.serve.max_queue_delay_us
     for tname, dtype, dims in INPUTS + (ENGINE_INPUTS if engine else []):
         # A cancel request carries nothing else, so the engine model checks max_tokens itself.
         required = tname in REQUIRED_INPUTS and not engine
@@ -36,8 +38,10 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
     for tname, dtype, dims in OUTPUTS:
         model.output.append(tensor_out(tname, dtype, dims))
     # KIND_CPU even on a GPU box: the executor places the models itself (runtime.device). One engine instance (a
-    # second would load the models again and batch separately); enough proxies to keep the engine's batch full.
-    proxies = max(config.serve.instances, config.build.max_batch_size)
+    # second would load the models again and batch separately). A proxy forwards one request at a time (no dynamic
+    # batching: requests handed to one execute() together would wait for each other), and there are twice as many
+    # proxies as batch rows, so a request is already waiting at the engine whenever a row finishes.
+    proxies = max(config.serve.instances, PROXIES_PER_ROW * config.build.max_batch_size)
     model.instance_group.append(cpu_instances(1 if engine else proxies))
     set_parameters(model, {
         "role": "engine" if engine else "proxy",

@@ -37,6 +37,17 @@ def test_engine_path_end_to_end(engine_bench):
         else:
             assert r["mean_draft_len"] > 0
     assert cells[("speculative_fixed", 1)]["k"] == data["options"]["k"]
+    for (mode, _), r in cells.items():  # the field's figures, per cell
+        assert len(r["rounds"]) == 2 and r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        assert r["tpot_ms_p50"] > 0 and r["weight_gb_per_s"] > 0 and r["acceptance_length"] >= 1
+        assert len(r["acceptance_length_per_request"]) == 4 and sum(r["acceptance_length_histogram"]["counts"]) == 4
+        assert r["exact_match"] == 1.0  # greedy: speculation never changes the tokens (target_only against itself)
+        if mode != "target_only":
+            assert r["per_position_acceptance"] and all(0 <= x <= 1 for x in r["per_position_acceptance"])
+    assert data["phases"]["startup_s"] > 0 and data["phases"]["warmup_s"] > 0
+    runs = {folder.name for folder in (out / "specdec_bench").iterdir()}
+    assert runs == {f"engine_{m}_c{c}" for m in serve_matrix.MODES for c in (1, 2)}
+    assert json.loads((out / "specdec_bench" / "engine_speculative_c1" / "acceptance_rate.json").read_text())
     assert data["batch1_target_vs_hf"]["target_tokens_per_s"] > 0 and data["batch1_target_vs_hf"]["hf_target_tokens_per_s"] > 0
     assert data["machine"]["cpu"] and data["machine"]["torch"]
     assert (out / "serving.png").stat().st_size > 10_000
@@ -59,6 +70,19 @@ def test_chat_prompts_reuse_the_shared_prefix_on_the_engine_path(built_engines, 
         assert 0 < r["prefix_hit_rate"] < 1 and 0 < r["occupancy"] <= 1
     assert data["records"][0]["occupancy"] == 0.25  # one_at_a_time: one request in a batch of 4
     assert "prefix hit" in result.stdout and "occupancy" in result.stdout
+
+
+def test_the_shipped_category_set_by_name(built_engines, tmp_path):
+    """--prompts categories: the shipped chats, categories interleaved so the first prompts span them."""
+    config_path, engines = built_engines
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", "engine",
+                     "--prompts", "categories", "--modes", "speculative", "--concurrency", "3", "--requests", "3",
+                     "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--num-prompts", "9",
+                     "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads((tmp_path / "serving.json").read_text())
+    assert data["options"]["prompt_set"] == "categories" and data["options"]["num_prompts"] == 9
+    assert data["records"][0]["tokens"] > 0
 
 
 def test_an_ngram_config_is_benchmarked_with_lookups(tiny_pair, tmp_path):
@@ -92,14 +116,21 @@ def test_triton_paths_briefly(built_engines, tmp_path):
     pytest.importorskip("tritonclient.http")
     pytest.importorskip("tritonclient.grpc")
     config_path, engines = built_engines
-    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", "triton,triton_stream",
-                     "--modes", "one_at_a_time,target_only", "--concurrency", "2", "--requests", "2",
+    paths, modes = ("triton", "triton_stream", "openai"), ("one_at_a_time", "target_only", "speculative_fixed")
+    result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", ",".join(paths),
+                     "--modes", ",".join(modes), "--concurrency", "2", "--requests", "2",
                      "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--prompt-set", "chat",
                      "--num-prompts", "2", "--out", str(tmp_path), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     records = json.loads((tmp_path / "serving.json").read_text())["records"]
     by_path = {(r["path"], r["mode"]): r for r in records}
-    assert set(by_path) == {(p, m) for p in ("triton", "triton_stream") for m in ("one_at_a_time", "target_only")}
+    assert set(by_path) == {(p, m) for p in paths for m in modes}
+    for path in paths:  # greedy through every front: the same answers as speculation off
+        assert by_path[(path, "speculative_fixed")]["exact_match"] == 1.0
+        # from the engine model's position counters (HTTP) or the streamed stats
+        assert by_path[(path, "speculative_fixed")]["acceptance_length"] >= 1
+    assert by_path[("triton", "speculative_fixed")]["per_position_acceptance"]
+    assert by_path[("openai", "target_only")]["ttft_ms_p50"] > 0 and by_path[("openai", "target_only")]["tpot_ms_p50"] > 0
     assert by_path[("triton", "target_only")]["ttft_ms_p50"] is None  # HTTP request/response: no first token
     assert by_path[("triton_stream", "target_only")]["ttft_ms_p50"] > 0
     for r in records:

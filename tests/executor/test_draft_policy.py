@@ -60,14 +60,15 @@ def serve(cost: Callable[[int], float], requests: list[list[float]], fixed_k: in
         for alpha in alphas:
             # a lookup finds a match, or nothing
             limits = [ENGINE_DRAFT_LEN if rng.random() < match else 0 for _ in ids]
-            k = policy.plan(ids, limits, [False] * rows) if fixed_k is None else fixed_k
-            ks = [min(k, limit) for limit in limits]
+            planned = policy.plan(ids, limits, [False] * rows) if fixed_k is None else [fixed_k] * rows
+            ks = [min(k, limit) for k, limit in zip(planned, limits)]
             for row, k_row in zip(ids, ks):
                 accepted = _accepted(rng, alpha, k_row)
                 tokens += accepted + 1
                 policy.observe(row, k_row, accepted)
-            step = cost(rows * (max(ks) + 1))
-            policy.target.record(rows * (max(ks) + 1), step, measured=True)
+            verified = sum(k + 1 for k in ks)  # the verify packs each row's own tokens
+            step = cost(verified)
+            policy.target.record(verified, step, measured=True)
             seconds += step
             drafted += sum(ks) / rows
         results.append((tokens / seconds, drafted / len(alphas)))
@@ -77,6 +78,11 @@ def serve(cost: Callable[[int], float], requests: list[list[float]], fixed_k: in
 def run(cost: Callable[[int], float], alphas: list[float], **kwargs) -> tuple[float, float]:
     """One request: (tokens per unit of time, mean K drafted per row and step)."""
     return serve(cost, [alphas], **kwargs)[0]
+
+
+def max_k(policy: DraftPolicy, *args, **kwargs) -> int:
+    """The deepest K the policy gives any row."""
+    return max(policy.choose(*args, **kwargs), default=0)
 
 
 def best_fixed(cost, alphas: list[float], **kwargs) -> float:
@@ -138,13 +144,13 @@ def test_drafts_little_when_the_batch_is_compute_bound():
 
 def test_new_rows_draft_before_any_evidence():
     policy = calibrated(memory_bound)
-    assert policy.plan([7], [ENGINE_DRAFT_LEN], [False]) > 0  # optimism: find out first
+    assert policy.plan([7], [ENGINE_DRAFT_LEN], [False])[0] > 0  # optimism: find out first
 
 
 def test_a_plain_step_now_and_then():
     """Every PLAIN_EVERY-th step runs without drafting, so the plain step's cost is measured while drafting wins."""
     policy = calibrated(memory_bound)
-    caps = [policy.plan([1], [ENGINE_DRAFT_LEN], [False]) for _ in range(2 * PLAIN_EVERY)]
+    caps = [policy.plan([1], [ENGINE_DRAFT_LEN], [False])[0] for _ in range(2 * PLAIN_EVERY)]
     assert [i for i, cap in enumerate(caps) if cap == 0] == [PLAIN_EVERY - 1, 2 * PLAIN_EVERY - 1]
 
 
@@ -220,40 +226,89 @@ def test_draft_policy_stops_drafting_when_it_does_not_pay():
     for tokens in (1, 8, 64, 256):
         policy.target.record(tokens, 0.010 + 0.0001 * tokens)  # flat, then compute-bound
         policy.draft.record(tokens, 0.001 + 0.00001 * tokens)
-    assert policy.choose([0.8], [6]) >= 3  # batch 1, a good cheap draft: draft a lot
-    assert policy.choose([0.05] * 4, [6] * 4) == 0  # a draft the target rejects never pays
+    assert max_k(policy, [0.8], [6]) >= 3  # batch 1, a good cheap draft: draft a lot
+    assert max_k(policy, [0.05] * 4, [6] * 4) == 0  # a draft the target rejects never pays
     expensive = DraftPolicy(engine_draft_len=6)
     for tokens in (1, 8, 64, 256):
         expensive.target.record(tokens, 0.0004 * tokens)  # every verified token costs as much as one step
         expensive.draft.record(tokens, 0.0003 * tokens)
-    assert expensive.choose([0.6] * 32, [6] * 32) == 0
-    assert policy.choose([0.8] * 4, [2] * 4) >= 1 and policy.choose([], []) == 0
+    assert max_k(expensive, [0.6] * 32, [6] * 32) == 0
+    assert max_k(policy, [0.8] * 4, [2] * 4) >= 1 and max_k(policy, [], []) == 0
     # A draft model as slow as the target never pays at this rate; n-gram lookups (no draft forward) do.
     slow_draft = DraftPolicy(engine_draft_len=6)
     for tokens in (1, 8, 64, 256):
         slow_draft.target.record(tokens, 0.010 + 0.0001 * tokens)
         slow_draft.draft.record(tokens, 0.010)
-    assert slow_draft.choose([0.5], [6]) == 0
-    assert slow_draft.choose([0.5], [6], uses_model=[False]) >= 1
+    assert max_k(slow_draft, [0.5], [6]) == 0
+    assert max_k(slow_draft, [0.5], [6], uses_model=[False]) >= 1
     lookups = DraftPolicy(engine_draft_len=8)
     for tokens, seconds in ((1, 0.010), (2, 0.0101), (9, 0.011)):
         lookups.target.record(tokens, seconds)
-    assert lookups.choose([0.5], [8], uses_model=[False]) >= 1
-    assert lookups.choose([0.17], [0], uses_model=[False]) == 0  # no match found: nothing to verify
+    assert max_k(lookups, [0.5], [8], uses_model=[False]) >= 1
+    assert max_k(lookups, [0.17], [0], uses_model=[False]) == 0  # no match found: nothing to verify
     # The verify packs the rows' tokens: one row's long lookup adds only its own tokens (8 + K), which stays
     # cheap; had every row been padded to its width (72 tokens, compute-bound) it would not pay.
     packed = DraftPolicy(engine_draft_len=8)
     for tokens, seconds in ((8, 0.008), (16, 0.0085), (72, 0.072)):  # cheap to 16 tokens, compute-bound to 72
         packed.target.record(tokens, seconds)
-    assert packed.choose([0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) >= 1
-    assert packed.choose([0.5] * 8, [8] * 8, uses_model=[False] * 8) <= 1  # all eight drafting: compute-bound
+    assert max_k(packed, [0.5] + [0.5] * 7, [8] + [0] * 7, uses_model=[False] * 8) >= 1
+    assert max_k(packed, [0.5] * 8, [8] * 8, uses_model=[False] * 8) <= 1  # all eight drafting: compute-bound
 
 
 def test_a_tree_row_is_priced_at_its_trees_width():
     """A Medusa row verifies its tree cut to depth K, not K + 1 tokens: a wide tree makes drafting cost more, and
     the policy drafts less (or not at all) where a chain of the same depth would pay."""
     policy = calibrated(memory_bound)
-    chain = policy.choose([0.5], [4], [False])
-    tree = policy.choose([0.5], [4], [False], [lambda k: {0: 1, 1: 11, 2: 21, 3: 41, 4: 64}[k]])
+    chain = max_k(policy, [0.5], [4], [False])
+    tree = max_k(policy, [0.5], [4], [False], [lambda k: {0: 1, 1: 11, 2: 21, 3: 41, 4: 64}[k]])
     assert chain >= 2 and tree < chain
-    assert policy.choose([0.5], [4], [False], [lambda k: k + 1]) == chain  # a chain-shaped tree: the same K
+    assert max_k(policy, [0.5], [4], [False], [lambda k: k + 1]) == chain  # a chain-shaped tree: the same K
+
+
+def roofline(tokens: int, knee: int = 12) -> float:
+    """A forward streams the weights (1 unit) until ``knee`` tokens' compute takes longer."""
+    return max(1.0, tokens / knee)
+
+
+def serve_batch(row_alphas: list[float], fixed_k: int | None = None, steps: int = 300, seed: int = 0) -> float:
+    """A full batch of lookup rows, each with its own acceptance (code rows beside prose rows): tokens per unit of
+    time under the policy (``fixed_k`` None) or one K for every row (0: speculation off). Calibrated at every token
+    count the batch can verify, as the engine calibrates batch 1."""
+    rng = random.Random(seed)
+    rows = len(row_alphas)
+    policy = DraftPolicy(ENGINE_DRAFT_LEN)
+    for tokens in range(rows, rows * (ENGINE_DRAFT_LEN + 1) + 1):
+        policy.target.record(tokens, roofline(tokens) - OVERHEAD)
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        limits = [ENGINE_DRAFT_LEN] * rows
+        ks = policy.plan(list(range(rows)), limits, [False] * rows) if fixed_k is None else [fixed_k] * rows
+        for row, (alpha, k) in enumerate(zip(row_alphas, ks)):
+            accepted = _accepted(rng, alpha, k)
+            tokens += accepted + 1
+            policy.observe(row, k, accepted)
+        verified = sum(k + 1 for k in ks)
+        policy.target.record(verified, roofline(verified), measured=True)
+        seconds += roofline(verified)
+    return tokens / seconds
+
+
+def test_each_row_gets_its_own_k():
+    """Code rows beside prose rows in one batch: the code rows draft deep, the prose rows not at all (one cap for
+    the batch would draft both or neither)."""
+    policy = DraftPolicy(ENGINE_DRAFT_LEN)
+    for tokens in range(8, 8 * (ENGINE_DRAFT_LEN + 1) + 1):
+        policy.target.record(tokens, roofline(tokens, knee=24))
+    ks = policy.choose([0.9] * 4 + [0.03] * 4, [ENGINE_DRAFT_LEN] * 8, [False] * 8)
+    assert min(ks[:4]) >= 2 and ks[4:] == [0] * 4
+    assert policy.choose([0.9, 0.6], [ENGINE_DRAFT_LEN, 2], [False] * 2)[1] <= 2  # never above a row's limit
+
+
+@pytest.mark.parametrize("rows", [1, 2, 4, 8, 16, 32])
+def test_never_slower_than_speculation_off_or_the_best_fixed_k_at_any_batch(rows):
+    """The serving goal in simulation: at every batch size, mixed traffic (a quarter code at 0.85, the rest prose and
+    chat at 0.05-0.4) under the policy runs at least 0.95x the faster of no speculation and the best single K."""
+    alphas = [0.85 if row % 4 == 0 else (0.05, 0.2, 0.4)[row % 3] for row in range(rows)]
+    policy = serve_batch(alphas)
+    fixed = [serve_batch(alphas, fixed_k=k) for k in range(ENGINE_DRAFT_LEN + 1)]
+    assert policy >= 0.95 * max(fixed), (policy, fixed)

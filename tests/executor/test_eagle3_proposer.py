@@ -234,4 +234,4 @@ def test_the_adaptive_k_policy_prices_the_heads_before_they_draft(deep_pair):
                              adaptive_draft_len=True)
     assert ex.engine.policy.draft.calibrated  # seconds per row, from the heads' own step
     # Heads accepted almost always are worth drafting with (unpriced, one draft position cost a second).
-    assert ex.engine.policy.choose([0.95], [3], [True]) > 0
+    assert max(ex.engine.policy.choose([0.95], [3], [True])) > 0

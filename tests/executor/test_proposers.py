@@ -194,7 +194,7 @@ def test_adaptive_draft_len_governs_lookup_rows(pair, monkeypatch):
 
     def never_pays(rates, limits, uses_model=None, widths=None):
         seen.append(list(uses_model))
-        return 0
+        return [0] * len(rates)
 
     monkeypatch.setattr(ex.engine.policy, "choose", never_pays)
     capped = ex.generate(REPEATING, 24)
