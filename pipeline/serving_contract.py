@@ -24,6 +24,9 @@ INPUTS: list[tuple[str, str, list[int]]] = [
     # (the OpenAI endpoint sends it for a request without max_tokens: it cannot count a chat's prompt tokens).
     ("max_tokens_fit", "BOOL", [1]),
     ("cache_salt", "STRING", [1]),  # requests share cached prefix blocks only with requests of the same salt
+    # The request's drafting method (ngram, suffix, draft_model, ...; one the served engines can run), else the
+    # config's: lets one server, and bench-serve, compare methods request by request.
+    ("speculative_method", "STRING", [1]),
 ]
 REQUIRED_INPUTS = {"max_tokens"}  # one of text_input / input_ids / messages is checked by the model
 # The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.

@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import PipelineError
 from .arg_checks import check_known, check_range, int_list, name_list
 from .prompts import PROMPT_SETS
-from .serve_matrix import MODES, PATHS, ServeOptions, is_mode
+from .serve_matrix import MODES, PATHS, ServeOptions, is_mode, mode_method
 
 SERVE_PROMPT_SETS = (*PROMPT_SETS, "chat")
 
@@ -65,8 +65,9 @@ def _checked_options(args) -> ServeOptions:
         check_range("--concurrency", c, 1, options.requests, fix="each client needs at least one request")
     unknown = [mode for mode in options.modes if not is_mode(mode)]
     if unknown:
-        raise PipelineError(f"--modes: {', '.join(unknown)} unknown; choose from {', '.join(MODES)} or "
-                            f"speculative_kN (every request names K = N)")
+        raise PipelineError(f"--modes: {', '.join(unknown)} unknown; choose from {', '.join(MODES)}, "
+                            f"speculative_kN (every request names K = N) or method_NAME (every request names the "
+                            f"drafting method NAME, such as method_suffix)")
     check_known("--paths", options.paths, PATHS)
     check_known("--prompt-set", [args.prompt_set], SERVE_PROMPT_SETS)
     return options
@@ -97,7 +98,7 @@ def cmd_bench_serve(args) -> int:
     records = _run_cells(args, config, executor, prompts, options, out_dir, phases)
     method = config.speculative.method
     for record in records:
-        record["method"] = None if record["mode"] == "target_only" else method
+        record["method"] = None if record["mode"] == "target_only" else mode_method(record["mode"]) or method
     _report(config, executor, records, batch1, out_dir, {
         "started": started, "git_commit": commit, "phases": phases,
         "model": config.target.model, "draft": _draft_description(config),

@@ -1,5 +1,5 @@
-"""The bench-serve clients, one per path; a client belongs to one thread, and send(prompt_ids, max_tokens, k)
-blocks until its request completed and returns the request's RequestTiming.
+"""The bench-serve clients, one per path; a client belongs to one thread, and send(prompt_ids, max_tokens, k,
+method) blocks until its request completed and returns the request's RequestTiming.
 
   engine         EngineClient: a ServingLoop in this process; every step's tokens are timed as they are emitted
   triton         TritonHttpClient: tritonclient HTTP against the request/response model ``speculative``; no
@@ -71,9 +71,10 @@ class EngineClient:
     def __init__(self, executor, loop):
         self.executor, self.loop = executor, loop
 
-    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None, method: str | None = None) -> RequestTiming:
         clock, finished = TokenArrivals(), threading.Event()
-        request = self.executor.new_request(list(prompt_ids), max_tokens, max_draft_len=k, with_text=False)
+        request = self.executor.new_request(list(prompt_ids), max_tokens, max_draft_len=k, with_text=False,
+                                            method=method)
 
         def on_event(event) -> None:
             if isinstance(event, BaseException):
@@ -95,17 +96,20 @@ class EngineClient:
         pass
 
 
-def _infer_inputs(module, prompt_ids: list[int], max_tokens: int, k: int | None) -> list:
-    """The request's tensors for tritonclient ``module`` (http or grpc); num_draft_tokens only when K is named."""
+def _infer_inputs(module, prompt_ids: list[int], max_tokens: int, k: int | None, method: str | None) -> list:
+    """The request's tensors for tritonclient ``module`` (http or grpc); num_draft_tokens only when K is named,
+    speculative_method only when a method is."""
     import numpy as np
 
     arrays = {"input_ids": np.array([prompt_ids], dtype=np.int32),
               "max_tokens": np.array([[max_tokens]], dtype=np.int32)}
     if k is not None:
         arrays["num_draft_tokens"] = np.array([[k]], dtype=np.int32)
+    if method is not None:
+        arrays["speculative_method"] = np.array([[method.encode()]], dtype=np.object_)
     inputs = []
     for name, array in arrays.items():
-        tensor = module.InferInput(name, list(array.shape), "INT32")
+        tensor = module.InferInput(name, list(array.shape), "BYTES" if array.dtype == np.object_ else "INT32")
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
@@ -124,9 +128,9 @@ class TritonHttpClient:
         self.module, self.model = httpclient, model
         self.client = httpclient.InferenceServerClient(url, connection_timeout=timeout_s, network_timeout=timeout_s)
 
-    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None, method: str | None = None) -> RequestTiming:
         timing = RequestTiming()
-        result = self.client.infer(self.model, _infer_inputs(self.module, prompt_ids, max_tokens, k))
+        result = self.client.infer(self.model, _infer_inputs(self.module, prompt_ids, max_tokens, k, method))
         timing.last_s = time.perf_counter() - timing.started
         timing.output = [int(x) for x in result.as_numpy("output_ids").reshape(-1)]
         timing.tokens = len(timing.output)
@@ -152,9 +156,9 @@ class TritonStreamClient:
         self.client.start_stream(callback=lambda result, error: self.responses.put(
             (time.perf_counter(), result, error)))
 
-    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None, method: str | None = None) -> RequestTiming:
         clock = TokenArrivals()
-        self.client.async_stream_infer(self.model, _infer_inputs(self.module, prompt_ids, max_tokens, k))
+        self.client.async_stream_infer(self.model, _infer_inputs(self.module, prompt_ids, max_tokens, k, method))
         while True:
             now, result, error = self.responses.get(timeout=self.timeout_s)
             if error is not None:
@@ -186,13 +190,15 @@ class OpenAIClient:
         self.path, self.model = f"{parts.path.rstrip('/')}/completions", model
         self.connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=timeout_s)
 
-    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None) -> RequestTiming:
+    def send(self, prompt_ids: list[int], max_tokens: int, k: int | None, method: str | None = None) -> RequestTiming:
         import json
 
         body = {"model": self.model, "prompt": list(prompt_ids), "max_tokens": max_tokens, "temperature": 0,
                 "stream": True, "stream_options": {"include_usage": True}}
         if k is not None:
             body["num_draft_tokens"] = k
+        if method is not None:
+            body["speculative_method"] = method
         timing, arrivals, text = RequestTiming(), [], []
         self.connection.request("POST", self.path, json.dumps(body), {"Content-Type": "application/json"})
         response = self.connection.getresponse()

@@ -8,6 +8,8 @@ Modes, for every path (see serve_clients) and concurrency C:
   speculative        batched, K not named: the engine's policy picks each row's K per step from measured costs
   speculative_fixed  batched, every request names K = the config's K (the engine never lowers a named K)
   speculative_kN     batched, every request names K = N (for the best fixed K over several)
+  method_NAME        batched, every request names the drafting method NAME (speculative_method), K not named: each
+                     method the served engines can run, under the policy, beside the config's default
 
 Cells are interleaved over rounds (round 1 of every cell, then round 2, ...); a cell's record is its median round by
 tokens/s, with every round's rate, their min / median / max and whether they lie within +-5% of the median
@@ -36,8 +38,19 @@ ADAPTIVE = "adaptive"  # a mode's K when the request names none (the engine's K,
 FIXED_K = re.compile(r"speculative_k(\d+)$")  # a further fixed-K mode: speculative_k2 names K = 2 on every request
 
 
+METHOD_PREFIX = "method_"  # a method mode: method_suffix sends speculative_method "suffix", K not named
+
+
 def is_mode(mode: str) -> bool:
-    return mode in MODES or FIXED_K.match(mode) is not None
+    from ..methods import Method
+
+    method = mode.removeprefix(METHOD_PREFIX) if mode.startswith(METHOD_PREFIX) else None
+    return mode in MODES or FIXED_K.match(mode) is not None or method in {m.value for m in Method}
+
+
+def mode_method(mode: str) -> str | None:
+    """The drafting method a mode's requests name (None: the served default)."""
+    return mode.removeprefix(METHOD_PREFIX) if mode.startswith(METHOD_PREFIX) else None
 
 
 def mode_draft_len(mode: str, k: int) -> int | None:
@@ -127,7 +140,7 @@ def run_cell(make_client: Callable[[], object], prompts: list[list[int]], option
     draft_len = mode_draft_len(mode, k)
     before = read() if read else None
     timings, wall = run_load(make_client, prompts, options.requests, c, options.max_tokens, draft_len,
-                             mode == "one_at_a_time")
+                             mode == "one_at_a_time", mode_method(mode))
     usage = cell_usage(before, read() if read else None, max_batch)
     totals_positions = usage.pop("total_positions")
     steps = usage["engine_steps"]

@@ -33,7 +33,7 @@ UINT64_LIMIT = 2**64
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier"})
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
-                    "top_k", "num_draft_tokens", "cache_salt"})
+                    "top_k", "num_draft_tokens", "cache_salt", "speculative_method"})
 # Fields that change the output and that this server cannot honour: accepted only at their neutral values.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "one choice per request is supported; send n requests instead"),
@@ -123,7 +123,8 @@ def _check_fields(body: object, allowed: frozenset[str], served: ServedModel) ->
             continue
         if name not in allowed:
             raise bad_request(name, "unknown parameter; remove it (the extensions this server adds are top_k, "
-                                    "num_draft_tokens and cache_salt)", code="unknown_parameter")
+                                    "num_draft_tokens, cache_salt and speculative_method)",
+                              code="unknown_parameter")
         if name in UNSUPPORTED and not _neutral(value, UNSUPPORTED[name][0]):
             raise bad_request(name, f"{short_repr(value, 40)} is not supported: {UNSUPPORTED[name][1]}",
                               code="unsupported_parameter")
@@ -193,6 +194,12 @@ def _request(body: dict, chat: bool, prompt: dict, max_tokens: tuple[int, bool])
             raise bad_request("cache_salt", f"{short_repr(salt, 40)} must be a non-empty string (a random token per "
                                             f"user or tenant)")
         inputs["cache_salt"] = salt
+    method = body.get("speculative_method")
+    if method is not None:  # the model checks it against the methods its engines can run
+        if not isinstance(method, str) or not method:
+            raise bad_request("speculative_method", f"{short_repr(method, 40)} must be a method's name such as "
+                                                    f"\"ngram\"")
+        inputs["speculative_method"] = method
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("stream", f"{short_repr(stream, 40)} must be true or false")

@@ -23,6 +23,7 @@ import numpy as np
 from ..chat import Message, encode_chat, end_of_turn_ids, validate_messages
 from ..executor.request_values import MAX_NEW_TOKENS, validate_request
 from ..executor.results import RequestError
+from ..methods import Method
 
 # A prompt of max_input_len tokens is at most this many UTF-8 bytes per token: real tokenizers average 2-5 bytes
 # per token on text and code; 32 leaves room for long whitespace and repeated-character tokens. A longer prompt
@@ -31,6 +32,7 @@ MAX_BYTES_PER_TOKEN = 32
 # The limit when the caller does not pass max_input_len: 32 bytes x 32768 tokens (1 MiB, about 2 s to tokenize).
 FALLBACK_MAX_INPUT_LEN = 32768
 MAX_CACHE_SALT_BYTES = 256
+MAX_METHOD_BYTES = 32  # longer than any method's name
 # Triton's input names for the request values (the executor's names are the keys).
 TRITON_NAMES = {"max_new_tokens": "max_tokens", "max_draft_len": "num_draft_tokens"}
 
@@ -50,11 +52,12 @@ class GenerateArgs:
     messages: list[Message] | None = None  # the ``messages`` input, checked but not yet encoded
     fit_max_tokens: bool = False  # lower max_new_tokens to what the KV pool holds instead of refusing
     cache_salt: str | None = None  # prefix blocks are shared only between requests of the same salt
+    method: str | None = None  # speculative_method: the request's drafting method (None: the engine's)
 
     def executor_kwargs(self) -> dict:
         return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                     top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len,
-                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt)
+                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt, method=self.method)
 
     def executor_prompt(self, tokenizer, source: str | None = None) -> tuple[str | list[int], list[int]]:
         """(prompt, extra stop ids) for ``executor.new_request``: a chat is encoded through the tokenizer's chat
@@ -169,19 +172,32 @@ def parse_request(get: GetInput, engine_draft_len: int, max_input_len: int | Non
     fit = _one(get, "max_tokens_fit", "b")
     return GenerateArgs(prompt, int(max_tokens), temperature, top_k, top_p,
                         None if seed is None else int(seed), None if k is None else int(k), messages,
-                        fit_max_tokens=bool(fit), cache_salt=_cache_salt(get))
+                        fit_max_tokens=bool(fit), cache_salt=_cache_salt(get), method=_method(get))
+
+
+def _method(get: GetInput) -> str | None:
+    """speculative_method as text (which methods the engines can run, the executor checks when it takes the
+    request); a value longer than any method's name is refused before it is decoded."""
+    return _short_string(get, "speculative_method", MAX_METHOD_BYTES,
+                         f"a method's name ({', '.join(m.value for m in Method)}), or leave it out for the served "
+                         f"default")
 
 
 def _cache_salt(get: GetInput) -> str | None:
-    value = get("cache_salt")
+    return _short_string(get, "cache_salt", MAX_CACHE_SALT_BYTES,
+                         f"1 to {MAX_CACHE_SALT_BYTES} bytes (a random token per user or tenant), or leave it out")
+
+
+def _short_string(get: GetInput, name: str, limit: int, fix: str) -> str | None:
+    """One string input of 1..``limit`` bytes as text, None when absent; RequestError naming ``name`` and ``fix``."""
+    value = get(name)
     if value is None:
         return None
     raw = np.asarray(value)
     if raw.size != 1:
-        raise RequestError(f"cache_salt: expected one string per request, got shape {list(raw.shape)}")
-    salt = raw.reshape(-1)[0]
-    salt = salt if isinstance(salt, bytes) else str(salt).encode("utf-8", "surrogatepass")
-    if not 0 < len(salt) <= MAX_CACHE_SALT_BYTES:
-        raise RequestError(f"cache_salt: {len(salt)} bytes; send 1 to {MAX_CACHE_SALT_BYTES} bytes (a random token "
-                           f"per user or tenant), or leave it out")
-    return salt.decode("utf-8", "replace")
+        raise RequestError(f"{name}: expected one string per request, got shape {list(raw.shape)}")
+    item = raw.reshape(-1)[0]
+    item = item if isinstance(item, bytes) else str(item).encode("utf-8", "surrogatepass")
+    if not 0 < len(item) <= limit:
+        raise RequestError(f"{name}: {len(item)} bytes; send {fix}")
+    return item.decode("utf-8", "replace")

@@ -2,7 +2,7 @@
 
 - ``speculative_stream``  decoupled, one instance: hosts the engine (models loaded once); one response per target
                           step. Every request, from either model, joins the engine's running batch.
-- ``speculative``         request/response: thin proxy instances (two per batch row, one request each at a time)
+- ``speculative``         request/response: thin proxy instances (one per batch row, one request each at a time)
                           that forward to ``speculative_stream`` (BLS) and answer with one response holding the
                           text, ids and acceptance stats.
 
@@ -21,7 +21,6 @@ from ..config import PipelineConfig
 from ..serving_contract import ENGINE_INPUTS, INPUTS, MODEL, OUTPUTS, REQUIRED_INPUTS, STREAM_MODEL
 from .pbtxt import cpu_instances, set_parameters, tensor_in, tensor_out, write_model
 
-PROXIES_PER_ROW = 2  # request/response proxy instances per engine batch row
 MODEL_FILE = Path(__file__).with_name("python_model") / "model.py"
 PIPELINE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `pipeline` package
 
@@ -39,9 +38,9 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
         model.output.append(tensor_out(tname, dtype, dims))
     # KIND_CPU even on a GPU box: the executor places the models itself (runtime.device). One engine instance (a
     # second would load the models again and batch separately). A proxy forwards one request at a time (no dynamic
-    # batching: requests handed to one execute() together would wait for each other), and there are twice as many
-    # proxies as batch rows, so a request is already waiting at the engine whenever a row finishes.
-    proxies = max(config.serve.instances, PROXIES_PER_ROW * config.build.max_batch_size)
+    # batching: requests handed to one execute() together waited for each other, and the batch ran half full under
+    # load), one proxy per batch row. More proxies add nothing measurable and each one slows the server's shutdown.
+    proxies = max(config.serve.instances, config.build.max_batch_size)
     model.instance_group.append(cpu_instances(1 if engine else proxies))
     set_parameters(model, {
         "role": "engine" if engine else "proxy",

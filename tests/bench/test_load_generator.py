@@ -22,7 +22,10 @@ class _SleepClient:
     def __init__(self, delay_s: float = 0.02):
         self.delay_s = delay_s
 
-    def send(self, prompt_ids, max_tokens, k):
+    sent: list = []  # (k, method) of every request
+
+    def send(self, prompt_ids, max_tokens, k, method=None):
+        self.sent.append((k, method))
         with self.guard:
             type(self).active += 1
             type(self).peak = max(type(self).peak, type(self).active)
@@ -40,6 +43,7 @@ class _SleepClient:
 
 def _fresh_sleep_client():
     _SleepClient.active = _SleepClient.peak = 0
+    _SleepClient.sent = []
     return _SleepClient
 
 
@@ -58,12 +62,19 @@ def test_batched_load_overlaps_up_to_the_concurrency_and_sends_every_request():
     timings, _ = run_load(cls, [[1], [2]], requests=10, concurrency=4, max_tokens=2, k=0, one_at_a_time=False)
     assert cls.peak == 4
     assert len(timings) == 10 and all(t is not None for t in timings)
+    assert set(cls.sent) == {(0, None)}
+
+
+def test_every_request_names_the_method_it_is_given():
+    cls = _fresh_sleep_client()
+    run_load(cls, [[1]], requests=3, concurrency=3, max_tokens=2, k=None, one_at_a_time=False, method="suffix")
+    assert cls.sent == [(None, "suffix")] * 3
 
 
 def test_a_failed_request_fails_the_load():
     class Failing(_SleepClient):
-        def send(self, prompt_ids, max_tokens, k):
-            timing = super().send(prompt_ids, max_tokens, k)
+        def send(self, prompt_ids, max_tokens, k, method=None):
+            timing = super().send(prompt_ids, max_tokens, k, method)
             timing.error = "boom"
             return timing
 

@@ -116,7 +116,8 @@ def test_triton_paths_briefly(built_engines, tmp_path):
     pytest.importorskip("tritonclient.http")
     pytest.importorskip("tritonclient.grpc")
     config_path, engines = built_engines
-    paths, modes = ("triton", "triton_stream", "openai"), ("one_at_a_time", "target_only", "speculative_fixed")
+    paths = ("triton", "triton_stream", "openai")
+    modes = ("one_at_a_time", "target_only", "speculative_fixed", "method_ngram")
     result = run_cli("bench-serve", str(config_path), "--engines-dir", str(engines), "--paths", ",".join(paths),
                      "--modes", ",".join(modes), "--concurrency", "2", "--requests", "2",
                      "--max-tokens", "4", "--rounds", "1", "--hf-rounds", "0", "--prompt-set", "chat",
@@ -130,6 +131,8 @@ def test_triton_paths_briefly(built_engines, tmp_path):
         # from the engine model's position counters (HTTP) or the streamed stats
         assert by_path[(path, "speculative_fixed")]["acceptance_length"] >= 1
     assert by_path[("triton", "speculative_fixed")]["per_position_acceptance"]
+    for path in paths:  # the request's speculative_method reached the engine through every front
+        assert by_path[(path, "method_ngram")]["method"] == "ngram" and by_path[(path, "method_ngram")]["exact_match"] == 1.0
     assert by_path[("openai", "target_only")]["ttft_ms_p50"] > 0 and by_path[("openai", "target_only")]["tpot_ms_p50"] > 0
     assert by_path[("triton", "target_only")]["ttft_ms_p50"] is None  # HTTP request/response: no first token
     assert by_path[("triton_stream", "target_only")]["ttft_ms_p50"] > 0

@@ -14,16 +14,19 @@ def test_modes_name_the_right_draft_len():
     assert serve_matrix.mode_draft_len("one_at_a_time", 4) is None
 
 
-def test_further_fixed_k_modes():
+def test_further_fixed_k_and_method_modes():
     assert serve_matrix.mode_draft_len("speculative_k2", 4) == 2
     assert serve_matrix.is_mode("speculative_k7") and not serve_matrix.is_mode("speculative_kx")
+    assert serve_matrix.is_mode("method_suffix") and not serve_matrix.is_mode("method_magic")
+    assert serve_matrix.mode_method("method_ngram+draft") == "ngram+draft" and serve_matrix.mode_method("speculative") is None
+    assert serve_matrix.mode_draft_len("method_suffix", 4) is None  # the policy chooses K
 
 
 def test_matrix_interleaves_rounds_and_reports_each_cells_median(monkeypatch):
     calls = []
     speeds = iter([1.0, 3.0, 2.0, 1.0, 4.0, 2.0])  # round 1: cells A, B; round 2: A, B; round 3: A, B
 
-    def fake_load(make, prompts, requests, concurrency, max_tokens, k, one_at_a_time):
+    def fake_load(make, prompts, requests, concurrency, max_tokens, k, one_at_a_time, method=None):
         calls.append((concurrency, k, one_at_a_time))
         if len(calls) == 1:  # the warm-up
             return [RequestTiming(tokens=1, last_s=1.0)], 1.0
@@ -43,7 +46,7 @@ def test_matrix_interleaves_rounds_and_reports_each_cells_median(monkeypatch):
 def test_exact_match_against_target_only_on_the_same_path_and_concurrency(monkeypatch):
     outputs = {0: [[5, 6], [7, 8]], 3: [[5, 6], [7, 9]]}  # K=3 got the second prompt's answer wrong
 
-    def fake_load(make, prompts, requests, concurrency, max_tokens, k, one_at_a_time):
+    def fake_load(make, prompts, requests, concurrency, max_tokens, k, one_at_a_time, method=None):
         timings = [RequestTiming(tokens=2, first_s=0.1, last_s=1.0, itl_s=[0.1]) for _ in range(2)]
         for timing, output in zip(timings, outputs.get(k, outputs[0])):
             timing.output = output

@@ -123,6 +123,20 @@ def test_http_generate_endpoint(server, expected):
     assert 0 <= data["accepted_tokens"] <= data["draft_tokens"]
 
 
+def test_a_request_names_its_drafting_method(server, expected):
+    """speculative_method reaches the engine: n-gram lookups instead of the config's draft model give the same
+    greedy tokens, and a method these engines cannot run is refused naming it."""
+    prompt = PROMPTS[0]
+    url = f"http://{server.endpoints.http}/v2/models/speculative/generate"
+    body = json.dumps({"text_input": prompt, "max_tokens": MAX_TOKENS, "speculative_method": "ngram"}).encode()
+    with urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60) as response:
+        assert json.loads(response.read())["output_ids"] == expected[prompt].token_ids
+    body = json.dumps({"text_input": prompt, "max_tokens": MAX_TOKENS, "speculative_method": "medusa"}).encode()
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(urllib.request.Request(url, data=body), timeout=60)
+    assert refused.value.code == 400 and "needs Medusa heads" in refused.value.read().decode()
+
+
 def test_target_only_request_gives_same_tokens(server, expected):
     prompt = PROMPTS[1]
     result = http_client(server).infer("speculative", request_inputs(

@@ -343,3 +343,20 @@ def test_max_tokens_fit_and_cache_salt_reach_the_executor():
         request(cache_salt=np.array([[b"x" * 257]], dtype=np.object_))
     with pytest.raises(RequestError, match="max_tokens_fit: dtype"):
         request(max_tokens_fit=np.array([[1.0]], np.float32))
+
+
+def test_speculative_method_reaches_the_executor():
+    """speculative_method names the request's drafting method; the executor checks it against what its engines can
+    run, so here only its size and shape are refused."""
+    def request(**extra):
+        values = {"text_input": np.array([[b"hello"]], dtype=np.object_), "max_tokens": np.array([[8]], np.int32),
+                  **extra}
+        return parse_request(values.get, K_LIMIT, 64)
+
+    assert request().executor_kwargs()["method"] is None
+    named = request(speculative_method=np.array([[b"suffix"]], dtype=np.object_))
+    assert named.executor_kwargs()["method"] == "suffix"
+    with pytest.raises(RequestError, match="speculative_method: 33 bytes; send a method's name"):
+        request(speculative_method=np.array([[b"x" * 33]], dtype=np.object_))
+    with pytest.raises(RequestError, match="speculative_method: expected one string"):
+        request(speculative_method=np.array([[b"ngram", b"suffix"]], dtype=np.object_))

@@ -44,15 +44,15 @@ def _tensors(config, kind):
     return {t.name: t for t in getattr(config, kind)}
 
 
-@pytest.mark.parametrize("instances, proxies", [(2, 8), (10, 10)])
+@pytest.mark.parametrize("instances, proxies", [(2, 4), (6, 6)])
 def test_torch_model_configs(tmp_path, instances, proxies):
     config = parse_config(tiny_config_dict(tmp_path, serve={"instances": instances, "max_queue_delay_us": 50}))
     for name, engine in (("speculative", False), ("speculative_stream", True)):
         model = parse(to_text(torch_repo.model_config(config, name, engine, tmp_path / "engines" / "x")))
         assert model.backend == "python" and model.max_batch_size == 4
         assert model.model_transaction_policy.decoupled is engine
-        # one engine instance (the models load once and batch together); two proxies per batch row, each taking
-        # one request at a time (requests batched into one proxy execute() would wait for each other)
+        # one engine instance (the models load once and batch together); a proxy per batch row, each taking one
+        # request at a time (requests batched into one proxy execute() would wait for each other)
         assert model.instance_group[0].count == (1 if engine else proxies)
         assert model.HasField("dynamic_batching") is engine
         if engine:
