@@ -231,7 +231,8 @@ class DraftPolicy:
         width = [(lambda k: k + 1) if widths is None or widths[r] is None else widths[r] for r in range(rows)]
         plans = [self._by_gain(row_rates, row_limits, uses_model, width)]
         plans += [[min(k, limit) for limit in row_limits] for k in range(1, self.engine_draft_len + 1)]
-        best_ks, best = [0] * rows, rows / self.target(rows)
+        best_ks = [0] * rows
+        best = self._tokens_per_second(row_rates, best_ks, uses_model, width)
         for ks in plans:
             rate = self._tokens_per_second(row_rates, ks, uses_model, width)
             if rate > best:
@@ -256,8 +257,9 @@ class DraftPolicy:
                 items.append((-ratio, r, j, a ** j, added))
         items.sort()
         rows = len(rates)
-        tokens, verified, model_rows, deepest = float(rows), rows, 0, 0
-        best, taken = rows / self.target(rows), 0
+        verified = sum(width[r](0) for r in range(rows))
+        tokens, model_rows, deepest = float(rows), 0, 0
+        best, taken = rows / self.target(verified), 0
         for index, (_, r, j, gain, added) in enumerate(items):
             tokens += gain
             verified += added
