@@ -432,12 +432,16 @@ class BatchingEngine:
         batch = computed.batch
         for row in kept:
             request, states = batch.requests[row], computed.aux[row]
-            if request.method in self._state_users:
+            if self._reads_states(request):
                 positions = torch.tensor(self._kept_positions(computed, row), device=states.device)
                 self.proposers[request.method].target_states(request, states[positions])
         for request, states in zip(computed.prefilling, computed.aux[len(batch.requests):]):  # chunks: every token
-            if request.method in self._state_users and not request.finished:
+            if self._reads_states(request) and not request.finished:
                 self.proposers[request.method].target_states(request, states)
+
+    def _reads_states(self, request: SpecRequest) -> bool:
+        """Whether ``request``'s proposer gets the target's states: not for a request that never drafts (K = 0)."""
+        return request.method in self._state_users and request.plan.max_draft_len > 0
 
     @staticmethod
     def _kept_positions(computed: _Computed, row: int) -> list[int]:

@@ -235,3 +235,23 @@ def test_the_adaptive_k_policy_prices_the_heads_before_they_draft(deep_pair):
     assert ex.engine.policy.draft.calibrated  # seconds per row, from the heads' own step
     # Heads accepted almost always are worth drafting with (unpriced, one draft position cost a second).
     assert max(ex.engine.policy.choose([0.95], [3], [True])) > 0
+
+
+def test_a_request_that_never_drafts_gives_the_heads_nothing_to_fuse(deep_pair):
+    """Speculation off for one request (K = 0) on an EAGLE-3 engine: its tokens are the target's, and the heads fuse
+    no states for it (work for a row that will never draft); the request beside it still drafts."""
+    target, _, tok = load_tiny_models(deep_pair)
+    heads = shaken_heads(target, noise=0.05)
+    ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads)
+    proposer = ex.engine.proposers["eagle3"]
+    fused = []
+    original = proposer.target_states
+    proposer.target_states = lambda request, states: (fused.append(request.id), original(request, states))
+    plain, drafting = ex.new_request("def f(x):", 12, max_draft_len=0), ex.new_request("def g(y):", 12)
+    ex.engine.add(plain)
+    ex.engine.add(drafting)
+    while not (plain.finished and drafting.finished):
+        ex.engine.step()
+    assert plain.id not in fused and drafting.id in fused
+    assert plain.generated == ex.generate(["def f(x):"], 12, max_draft_len=0)[0].token_ids
+    assert drafting.stats.draft_tokens > 0
