@@ -23,6 +23,9 @@ class RequestTiming:
     drafted_at: list[int] | None = None  # per draft position, where the path returns them (None: it does not)
     accepted_at: list[int] | None = None
     output: list[int] | str | None = None  # the generated ids (or text where a path returns only text)
+    # Tokens each target step emitted, where the path reports every step's totals (None: it does not, or one report
+    # covered several steps).
+    step_tokens: list[int] | None = None
     started: float = field(default_factory=time.perf_counter)  # perf_counter at send
 
     def queued_since(self, queued: float) -> None:
@@ -33,7 +36,12 @@ class RequestTiming:
 
     def take_stats(self, drafted: int, accepted: int, steps: int, drafted_at: list[int] | None = None,
                    accepted_at: list[int] | None = None) -> None:
-        """The request's running totals as its latest response reported them."""
+        """The request's running totals as its latest response reported them; a report one step after the last
+        adds that step's tokens to ``step_tokens`` (the first report starts it, a jump of several steps ends it)."""
+        if steps == self.steps + 1 and (self.steps == 0 or self.step_tokens is not None):
+            self.step_tokens = [*(self.step_tokens or []), 1 + accepted - self.accepted]
+        elif steps != self.steps:
+            self.step_tokens = None
         self.drafted, self.accepted, self.steps = drafted, accepted, steps
         if drafted_at is not None:
             self.drafted_at, self.accepted_at = list(drafted_at), list(accepted_at or [])

@@ -1,7 +1,9 @@
 """What bench-serve reports about speculation per cell, beside speed: the field's figures.
 
   acceptance length   per request, 1 + accepted / verify steps (the tokens one target step emitted on average);
-                      the cell's mean over requests and its histogram (requests per bin of HISTOGRAM_BIN)
+                      the cell's mean over requests and its histogram (requests per bin of HISTOGRAM_BIN); where
+                      the path reports every step, also how many steps emitted 1, 2, ... tokens (the histogram
+                      specdec_bench reports)
   per-position        for draft position i (1-based), the share of the steps that drafted a token there whose token
                       the target kept: accepted_at[i] / drafted_at[i], from the requests' own counts where the path
                       returns them, else from the engine's totals (Triton's position counters) over the cell
@@ -28,7 +30,8 @@ def acceptance_summary(timings: Sequence[RequestTiming]) -> dict:
     """acceptance_length (mean over requests that ran a step), acceptance_length_per_request and its histogram."""
     lengths = [1.0 + t.accepted / t.steps for t in timings if t.steps]
     if not lengths:
-        return {"acceptance_length": None, "acceptance_length_per_request": [], "acceptance_length_histogram": None}
+        return {"acceptance_length": None, "acceptance_length_per_request": [], "acceptance_length_histogram": None,
+                "tokens_per_step_histogram": None}
     bins = int(max(lengths) / HISTOGRAM_BIN) + 1
     first = int(1.0 / HISTOGRAM_BIN)
     counts = [0] * (bins - first)
@@ -37,7 +40,18 @@ def acceptance_summary(timings: Sequence[RequestTiming]) -> dict:
     edges = [round((first + i) * HISTOGRAM_BIN, 4) for i in range(len(counts) + 1)]
     return {"acceptance_length": round(sum(lengths) / len(lengths), 4),
             "acceptance_length_per_request": [round(x, 4) for x in lengths],
-            "acceptance_length_histogram": {"edges": edges, "counts": counts}}
+            "acceptance_length_histogram": {"edges": edges, "counts": counts},
+            "tokens_per_step_histogram": step_histogram(timings)}
+
+
+def step_histogram(timings: Sequence[RequestTiming]) -> dict[str, int] | None:
+    """How many target steps emitted each number of tokens, over the requests whose every step was reported (keys
+    as strings, in order: JSON's form); None when no request's were."""
+    counts: dict[int, int] = {}
+    for timing in timings:
+        for tokens in timing.step_tokens or []:
+            counts[tokens] = counts.get(tokens, 0) + 1
+    return {str(tokens): counts[tokens] for tokens in sorted(counts)} or None
 
 
 def position_rates(drafted_at: Sequence[float], accepted_at: Sequence[float]) -> list[float | None] | None:

@@ -30,6 +30,9 @@ What maps (ours -> theirs):
   tokens / requests             -> "Number of Output Tokens" mean
   acceptance_length_per_request -> "Request_AL" {request index: {"0": AL}} (our prompts are single-turn)
   acceptance_length             -> "Average_AL" (both the mean over requests of tokens per target step)
+  tokens_per_step_histogram     -> "Acceptance_Length_Histogram" (steps by tokens emitted, where the path reports every
+                                   step: engine, triton_stream) and from it "Joint_Acceptance_Rate" /
+                                   "Conditional_Acceptance_Rate" as upstream derives them; else
   per_position_acceptance       -> "Joint_Acceptance_Rate" / "Conditional_Acceptance_Rate", keyed by tokens per step
                                    L: joint[L] = P(a step emits >= L tokens) = per_position[L - 2], conditional[L] =
                                    joint[L] / joint[previous L]; only lengths that occur (joint[L] > joint[L + 1]) are
@@ -47,8 +50,8 @@ empty, so every key upstream writes is present.
 Ours with no equivalent: p99s (upstream keeps quartiles), itl (ours per token, theirs "Request Generation Step Time"
 per engine step, first gap included: written all null), tokens_per_s_min/median/max and rounds (upstream runs once;
 the cell's values are its median round's), requests_per_s, mean_draft_len, acceptance_rate (accepted / drafted),
-acceptance_length_histogram (ours counts requests by AL, theirs steps by tokens: theirs stays empty but for
-target_only), exact_match, weight_gb_per_s, prefix_hit_rate, occupancy (kept under serving_config: path, mode,
+acceptance_length_histogram (ours counts requests by AL; theirs, steps by tokens, is our
+tokens_per_step_histogram, empty on a path that reports no steps), exact_match, weight_gb_per_s, prefix_hit_rate, occupancy (kept under serving_config: path, mode,
 method, k, options). Theirs with none of ours: aa_timing.json (tiktoken counts of decoded text), responses.jsonl (the
 texts), mtbench/specbench Category_AL, and provenance such as container_image (upload_to_s3 refuses a run without it
 unless told to allow it). Upstream's step lengths also count the prefill's one-token step; ours count verify steps.
@@ -121,10 +124,27 @@ def _acceptance(record: dict) -> dict[str, object]:
                 "Acceptance_Length_Histogram": {"1": record["tokens"]}, "Conditional_Acceptance_Rate": ones,
                 "Joint_Acceptance_Rate": dict(ones)}
     per_request = record.get("acceptance_length_per_request") or []
-    joint, conditional = _step_rates(record)
+    histogram = record.get("tokens_per_step_histogram")
+    joint, conditional = _histogram_rates(histogram) if histogram else _step_rates(record)
     return {"Request_AL": {str(i): {"0": al} for i, al in enumerate(per_request)},
-            "Average_AL": record.get("acceptance_length"), "Acceptance_Length_Histogram": {},
+            "Average_AL": record.get("acceptance_length"), "Acceptance_Length_Histogram": histogram or {},
             "Conditional_Acceptance_Rate": conditional, "Joint_Acceptance_Rate": joint}
+
+
+def _histogram_rates(histogram: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
+    """Joint and conditional acceptance by tokens per step from the steps' histogram, as upstream derives them from
+    its own: joint[L] = the share of steps that emitted >= L tokens, conditional[L] = joint[L] / joint[the previous
+    length that occurred]."""
+    total = sum(histogram.values())
+    joint: dict[str, float] = {}
+    conditional: dict[str, float] = {}
+    at_least, previous = total, 1.0
+    for length, count in sorted(histogram.items(), key=lambda item: int(item[0])):
+        joint[length] = at_least / total
+        conditional[length] = joint[length] / previous
+        previous = joint[length]
+        at_least -= count
+    return joint, conditional
 
 
 def _algorithm(record: dict) -> str:

@@ -44,6 +44,8 @@ def test_engine_path_end_to_end(engine_bench):
         assert r["exact_match"] == 1.0  # greedy: speculation never changes the tokens (target_only against itself)
         if mode != "target_only":
             assert r["per_position_acceptance"] and all(0 <= x <= 1 for x in r["per_position_acceptance"])
+        # every step reported: the steps' histogram holds every token the cell generated
+        assert sum(int(n) * c for n, c in r["tokens_per_step_histogram"].items()) == r["tokens"]
     assert data["phases"]["startup_s"] > 0 and data["phases"]["warmup_s"] > 0
     runs = {folder.name for folder in (out / "specdec_bench").iterdir()}
     assert runs == {f"engine_{m}_c{c}" for m in serve_matrix.MODES for c in (1, 2)}
@@ -131,6 +133,9 @@ def test_triton_paths_briefly(built_engines, tmp_path):
         # from the engine model's position counters (HTTP) or the streamed stats
         assert by_path[(path, "speculative_fixed")]["acceptance_length"] >= 1
     assert by_path[("triton", "speculative_fixed")]["per_position_acceptance"]
+    # the stream reports every step (specdec_bench's step histogram)
+    stream = by_path[("triton_stream", "speculative_fixed")]
+    assert sum(int(n) * c for n, c in stream["tokens_per_step_histogram"].items()) == stream["tokens"]
     for path in paths:  # the request's speculative_method reached the engine through every front
         assert by_path[(path, "method_ngram")]["method"] == "ngram" and by_path[(path, "method_ngram")]["exact_match"] == 1.0
     assert by_path[("openai", "target_only")]["ttft_ms_p50"] > 0 and by_path[("openai", "target_only")]["tpot_ms_p50"] > 0

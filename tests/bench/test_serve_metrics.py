@@ -6,7 +6,7 @@ import pytest
 
 from pipeline.bench.request_timing import RequestTiming, TokenArrivals, summarize
 from pipeline.bench.serve_metrics import (acceptance_summary, exact_match, median_round, position_rates,
-                                          request_positions, spread)
+                                          request_positions, spread, step_histogram)
 
 
 def _timing(accepted: int, steps: int, drafted_at=None, accepted_at=None) -> RequestTiming:
@@ -62,3 +62,17 @@ def test_tpot_is_the_time_per_token_after_the_first():
     record = summarize([clock.timing], 2.0)
     assert record["tpot_ms_p50"] == pytest.approx(150.0) and record["ttft_ms_p50"] == pytest.approx(500.0)
     assert RequestTiming(tokens=5, last_s=1.0).tpot_s is None  # no first-token time on this path
+
+
+def test_the_steps_histogram_from_step_by_step_reports():
+    """A stream reports the running totals after every step: each report one step on adds that step's tokens. A
+    report that covers several steps at once (an HTTP answer) leaves the request out."""
+    streamed = RequestTiming()
+    for drafted, accepted, steps in ((0, 0, 1), (4, 3, 2), (8, 3, 3), (8, 3, 3), (12, 5, 4)):  # a repeat: no step
+        streamed.take_stats(drafted, accepted, steps)
+    assert streamed.step_tokens == [1, 4, 1, 3]
+    answered = RequestTiming()
+    answered.take_stats(12, 5, 4)
+    assert answered.step_tokens is None
+    assert step_histogram([streamed, answered]) == {"1": 2, "3": 1, "4": 1}
+    assert step_histogram([answered]) is None

@@ -99,6 +99,8 @@ def our_record(requests: list, path: str, mode: str, k: int | str, concurrency: 
               "per_position_acceptance": ([sum(g >= i + 2 for g in steps) / len(steps) for i in range(3)]
                                           if speculative else None)}
     record.update({f"{name}_ms_p{q}": percentile(values, q) for name, values in ms.items() for q in (50, 99)})
+    record["tokens_per_step_histogram"] = ({str(n): steps.count(n) for n in sorted(set(steps))} if speculative
+                                           else None)
     record["acceptance_length"] = mean(record["acceptance_length_per_request"]) if speculative else None
     return record
 
@@ -234,9 +236,21 @@ def test_configuration_has_upstreams_keys_and_algorithm_names(tmp_path):
     assert configs[1]["speculative_algorithm"] == "NONE" and configs[0]["output_length"] == RUN["options"]["max_tokens"]
 
 
+def test_the_steps_histogram_gives_upstreams_rates_at_any_k(tmp_path):
+    """A path that reports every step (engine, gRPC stream) gives the steps' histogram: the same histogram, joint
+    and conditional rates as upstream's for the same requests, whether K was fixed or chosen per step."""
+    _, theirs = upstream_run(SPEC, tmp_path / "upstream")
+    for mode, k in (("speculative_fixed", 3), ("speculative", "adaptive")):
+        record = {**our_record(SPEC, "triton_stream", mode, k, 2), "per_position_acceptance": None}
+        ours = specdec_results([record], RUN)[f"triton_stream_{mode}_c2/acceptance_rate.json"][0]
+        assert ours["Acceptance_Length_Histogram"] == {str(k): v for k, v in theirs["Acceptance_Length_Histogram"].items()}
+        for key in ("Joint_Acceptance_Rate", "Conditional_Acceptance_Rate"):
+            assert ours[key].keys() == theirs[key].keys() and same_values(ours[key], theirs[key]) == len(theirs[key])
+
+
 def test_unmeasured_values_are_null_and_adaptive_k_has_no_step_rates(tmp_path):
     record = {**our_record(SPEC, "triton", "speculative", "adaptive", 4), "ttft_ms_p50": None, "ttft_ms_p99": None,
-              "tpot_ms_p50": None, "per_position_acceptance": None}
+              "tpot_ms_p50": None, "per_position_acceptance": None, "tokens_per_step_histogram": None}
     _, theirs_acceptance = upstream_run(SPEC, tmp_path / "upstream")
     files = written(tmp_path, [record])
     timing = files["triton_speculative_c4/timing.json"][0]
