@@ -137,7 +137,10 @@ train-draft: $(VENV)/.installed $(PAIR_DEP) ## distil a draft (or, with ARGS="--
 	$(PY) -m pipeline train-draft $(CONFIG) $(ARGS)
 
 # Serving under concurrent clients (engine + a real tritonserver on loopback); one torch thread, as the tests use.
-bench-serve: $(VENV)/.installed $(PAIR_DEP) ## serving throughput and latency at 1-32 concurrent clients
+# Builds the CONFIG's engines first when they are missing or stale (a no-op otherwise), so one command runs the sweep
+# on a fresh clone.
+bench-serve: $(VENV)/.installed $(PAIR_DEP) ## serving under 1-32 concurrent clients: the policy, fixed K, speculation off
+	$(PY) -m pipeline build $(CONFIG)
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pipeline bench-serve $(CONFIG) $(ARGS)
 
 # Tests run one torch thread each (tests/conftest.py), so TEST_WORKERS processes share the cores; a file's tests
