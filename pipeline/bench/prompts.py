@@ -227,24 +227,26 @@ def chat_prompt_ids(tokenizer, n: int, seed: int = 0) -> tuple[list[list[int]], 
     share. With a chat template the tokenizer renders [system, user] (pipeline.chat.encode_chat, with the assistant
     turn opened); without one the system prompt's text comes before the question's. The shared length is taken over
     every built-in question, so it is the system part's, whatever ``n`` is."""
-    from ..chat import encode_chat, has_chat_template
-
     if tokenizer is None:
         raise ValueError("--prompt-set: chat needs the model's tokenizer; these engines have none")
-
-    def encode(question: str) -> list[int]:
-        if has_chat_template(tokenizer):
-            return encode_chat(tokenizer, [{"role": "system", "content": CHAT_SYSTEM_PROMPT},
-                                           {"role": "user", "content": question}])
-        return list(tokenizer(f"{CHAT_SYSTEM_PROMPT}\n\n{question}\n")["input_ids"])
-
-    every = [encode(q) for q in CHAT_QUESTIONS]
+    every = [chat_ids(tokenizer, [{"role": "system", "content": CHAT_SYSTEM_PROMPT}, {"role": "user", "content": q}])
+             for q in CHAT_QUESTIONS]
     shared = 0
     while all(len(ids) > shared and ids[shared] == every[0][shared] for ids in every):
         shared += 1
     order = list(range(len(CHAT_QUESTIONS)))
     random.Random(seed).shuffle(order)
     return [every[i] for i in order[:n]], shared
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """A chat's token ids through the tokenizer's chat template; a tokenizer without one (a tiny test model's) gets
+    the messages' texts one after another, a blank line between them."""
+    from ..chat import encode_chat, has_chat_template
+
+    if has_chat_template(tokenizer):
+        return encode_chat(tokenizer, messages)
+    return list(tokenizer("\n\n".join(message["content"] for message in messages) + "\n")["input_ids"])
 
 
 def fit_shared_prefix(prompts: list[list[int]], shared: int,

@@ -39,7 +39,9 @@ class RequestTiming:
         """The request's running totals as its latest response reported them; a report one step after the last
         adds that step's tokens to ``step_tokens`` (the first report starts it, a jump of several steps ends it)."""
         if steps == self.steps + 1 and (self.steps == 0 or self.step_tokens is not None):
-            self.step_tokens = [*(self.step_tokens or []), 1 + accepted - self.accepted]
+            if self.step_tokens is None:
+                self.step_tokens = []
+            self.step_tokens.append(1 + accepted - self.accepted)
         elif steps != self.steps:
             self.step_tokens = None
         self.drafted, self.accepted, self.steps = drafted, accepted, steps

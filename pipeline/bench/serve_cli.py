@@ -109,12 +109,12 @@ def cmd_bench_serve(args) -> int:
     return 0
 
 
-def _draft_description(config) -> str | None:
-    """What drafts, for the results: the draft model, the heads' folder, or the lookup method's name."""
+def _draft_description(config) -> str:
+    """What drafts, for the results: the draft model, the method's heads folder, or the lookup method's name."""
     spec = config.speculative
-    for part in (getattr(spec, "eagle3", None), getattr(spec, "medusa", None)):
-        if part is not None and spec.method in ("eagle3", "medusa"):
-            return str(getattr(part, "model", None) or spec.method)
+    heads = {"eagle3": spec.eagle3, "medusa": spec.medusa}.get(spec.method)
+    if heads is not None:
+        return str(heads.model)
     if config.draft is not None and spec.method in ("draft_model", "ngram+draft"):
         return config.draft.model
     return spec.method
@@ -177,14 +177,11 @@ def _fitted_prompts(executor, texts: list[str] | None, num_prompts: int, max_tok
 
 
 def _encoded(executor, prompt):
-    """A chat (a message list) as token ids through the model's chat template (a tokenizer without one: the
-    messages' texts, one after another); text and ids as they are."""
-    from ..chat import encode_chat, has_chat_template
+    """A chat (a message list) as token ids (prompts.chat_ids); text and ids as they are."""
+    from .prompts import chat_ids
 
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], dict):
-        if has_chat_template(executor.tokenizer):
-            return encode_chat(executor.tokenizer, prompt)
-        return "\n\n".join(message["content"] for message in prompt) + "\n"
+        return chat_ids(executor.tokenizer, prompt)
     return prompt
 
 

@@ -89,7 +89,10 @@ def cell_usage(before: dict | None, after: dict | None, max_batch: int) -> dict:
     positions = None
     if before is not None and after is not None and after.get("drafted_at") is not None:
         width = len(after["drafted_at"])
-        pad = lambda values: list(values or []) + [0] * (width - len(values or []))  # noqa: E731
+
+        def pad(values):  # a position the counters had not reached before the cell counts from 0
+            return list(values or []) + [0] * (width - len(values or []))
+
         drafted = [a - b for a, b in zip(after["drafted_at"], pad(before.get("drafted_at")))]
         accepted = [a - b for a, b in zip(pad(after.get("accepted_at")), pad(before.get("accepted_at")))]
         positions = position_rates(drafted, accepted)

@@ -98,23 +98,17 @@ def _target_only(record: dict) -> bool:
     return record["mode"] == "target_only" or record.get("k") == 0
 
 
-def _step_rates(record: dict) -> tuple[dict[str, float], dict[str, float]]:
-    """Joint and conditional acceptance by tokens per step, from per-position fractions (see the module doc)."""
+def _position_histogram(record: dict) -> dict[str, float] | None:
+    """The share of steps that emitted each number of tokens, from per-position fractions, where they describe every
+    step (see the module doc); None elsewhere."""
     k, per_position = record.get("k"), record.get("per_position_acceptance")
     full = (isinstance(k, int) and per_position is not None and len(per_position) == k
             and record.get("mean_draft_len") is not None and abs(record["mean_draft_len"] - k) < 5e-4)
     if not full or any(b > a for a, b in zip(per_position, per_position[1:])):
-        return {}, {}
+        return None
     at_least = [1.0, *per_position, 0.0]  # at_least[L - 1] = P(a step emits >= L tokens), L = 1 .. K + 2
-    joint: dict[str, float] = {}
-    conditional: dict[str, float] = {}
-    previous = 1.0
-    for length in range(1, k + 2):
-        if at_least[length - 1] > at_least[length]:  # some step emitted exactly this many
-            joint[str(length)] = at_least[length - 1]
-            conditional[str(length)] = at_least[length - 1] / previous
-            previous = at_least[length - 1]
-    return joint, conditional
+    shares = {str(length): at_least[length - 1] - at_least[length] for length in range(1, k + 2)}
+    return {length: share for length, share in shares.items() if share > 0}  # lengths some step emitted
 
 
 def _acceptance(record: dict) -> dict[str, object]:
@@ -125,16 +119,17 @@ def _acceptance(record: dict) -> dict[str, object]:
                 "Joint_Acceptance_Rate": dict(ones)}
     per_request = record.get("acceptance_length_per_request") or []
     histogram = record.get("tokens_per_step_histogram")
-    joint, conditional = _histogram_rates(histogram) if histogram else _step_rates(record)
+    shares = histogram or _position_histogram(record)
+    joint, conditional = _histogram_rates(shares) if shares else ({}, {})
     return {"Request_AL": {str(i): {"0": al} for i, al in enumerate(per_request)},
             "Average_AL": record.get("acceptance_length"), "Acceptance_Length_Histogram": histogram or {},
             "Conditional_Acceptance_Rate": conditional, "Joint_Acceptance_Rate": joint}
 
 
-def _histogram_rates(histogram: dict[str, int]) -> tuple[dict[str, float], dict[str, float]]:
-    """Joint and conditional acceptance by tokens per step from the steps' histogram, as upstream derives them from
-    its own: joint[L] = the share of steps that emitted >= L tokens, conditional[L] = joint[L] / joint[the previous
-    length that occurred]."""
+def _histogram_rates(histogram: dict[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """Joint and conditional acceptance by tokens per step from the steps' histogram (counts or shares), as upstream
+    derives them from its own: joint[L] = the share of steps that emitted >= L tokens, conditional[L] = joint[L] /
+    joint[the previous length that occurred]."""
     total = sum(histogram.values())
     joint: dict[str, float] = {}
     conditional: dict[str, float] = {}

@@ -165,7 +165,7 @@ class BatchingEngine:
         policy.calibrate(self.target.model, self.draft.model if self.draft is not None else None, max_rows,
                          self.device, self.vocab_size)
         for proposer in self.proposers.values():
-            proposer.calibrate(lambda rows, seconds: policy.draft.record(rows, seconds), max_rows)
+            proposer.calibrate(policy.draft.record, max_rows)
 
     # ---- the server-facing API ------------------------------------------------------------------------------------
 

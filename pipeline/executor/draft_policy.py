@@ -70,12 +70,15 @@ class ForwardCost:
         self.measured: dict[int, deque[float]] = {}  # tokens -> the engine's recent phase times
         self._gaps: deque[float] = deque(maxlen=2 * self.WINDOW - 1)  # measured minus bare, any token count
         self._points: dict[int, float] | None = None
+        self._priced: dict[int, float] = {}  # tokens -> __call__'s answer until the next record (the policy asks
+        # for the same few counts many times a step)
 
     def record(self, tokens: int, seconds: float, measured: bool = False) -> None:
         """A bare forward's time (calibration), or with ``measured`` one the engine's phase took."""
         if tokens <= 0 or seconds <= 0:
             return
         self._points = None
+        self._priced.clear()
         if not measured:
             old = self.calibrated.get(tokens)
             self.calibrated[tokens] = seconds if old is None else min(seconds, old)
@@ -102,10 +105,11 @@ class ForwardCost:
         return self._points
 
     def __call__(self, tokens: int) -> float:
-        points = self.points
-        if not points:
-            return float(tokens)  # uncalibrated: proportional to work
-        return max(_interpolate(points, tokens), 1e-9)
+        if (priced := self._priced.get(tokens)) is None:
+            points = self.points
+            # uncalibrated: proportional to work
+            priced = self._priced[tokens] = max(_interpolate(points, tokens), 1e-9) if points else float(tokens)
+        return priced
 
 
 def _lower_median(values) -> float:

@@ -205,6 +205,24 @@ def test_adaptive_draft_len_governs_lookup_rows(pair, monkeypatch):
     assert named.token_ids == capped[0].token_ids
 
 
+def test_each_row_drafts_the_k_the_policy_chose_for_it(pair, monkeypatch):
+    """The policy's K is per row: the engine gives each request the K planned for its own id (one request held at
+    0 drafts nothing while the one beside it drafts), and the tokens stay the target's."""
+    target, _, tok = pair
+    ex = SpeculativeExecutor(target, None, tok, max_draft_len=4, method="ngram", adaptive_draft_len=True,
+                             max_batch_size=4)
+    held = []
+
+    def hold_the_first(rows, limits, uses_model=None, widths=None):
+        held[:] = held or [min(rows)]  # the first request's id
+        return [0 if row == held[0] else limit for row, limit in zip(rows, limits)]
+
+    monkeypatch.setattr(ex.engine.policy, "plan", hold_the_first)
+    first, second = ex.generate(REPEATING[:2], 24)
+    assert first.stats.draft_tokens == 0 and second.stats.draft_tokens > 0
+    assert second.token_ids == ex.generate(REPEATING[1:2], 24, max_draft_len=0)[0].token_ids
+
+
 def test_choose_drafter_follows_each_proposers_record_and_cost(pair):
     target, draft, tok = pair
     ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, method="ngram+draft")
