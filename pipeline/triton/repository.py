@@ -55,6 +55,7 @@ def deploy(config: PipelineConfig, engines_dir: Path, force: bool = False,
     plan = DeployPlan.for_config(config, engines_dir)
     if config.backend == "torch":
         inputs = {"engines": _engine_keys(plan), "model_py": sha256_file(torch_repo.MODEL_FILE),
+                  "model_configs": torch_repo.configs_digest(config, plan.engines_root),
                   "engines_root": str(plan.engines_root), "pipeline_root": str(torch_repo.PIPELINE_ROOT)}
 
         def produce(tmp: Path) -> dict:

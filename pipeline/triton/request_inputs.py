@@ -22,6 +22,7 @@ import numpy as np
 
 from ..chat import Message, encode_chat, end_of_turn_ids, validate_messages
 from ..executor.request_values import MAX_NEW_TOKENS, validate_request
+from ..errors import short_repr
 from ..executor.results import RequestError
 from ..methods import Method
 
@@ -176,11 +177,15 @@ def parse_request(get: GetInput, engine_draft_len: int, max_input_len: int | Non
 
 
 def _method(get: GetInput) -> str | None:
-    """speculative_method as text (which methods the engines can run, the executor checks when it takes the
-    request); a value longer than any method's name is refused before it is decoded."""
-    return _short_string(get, "speculative_method", MAX_METHOD_BYTES,
-                         f"a method's name ({', '.join(m.value for m in Method)}), or leave it out for the served "
-                         f"default")
+    """speculative_method, one of the methods' names (which of them the engines can run, the executor checks when it
+    takes the request); a value longer than any name is refused before it is decoded."""
+    names = ", ".join(m.value for m in Method)
+    method = _short_string(get, "speculative_method", MAX_METHOD_BYTES,
+                           f"a method's name ({names}), or leave it out for the served default")
+    if method is not None and method not in {m.value for m in Method}:
+        raise RequestError(f"speculative_method: {short_repr(method, 40)} is unknown; use one of {names}, or leave "
+                           f"it out for the served default")
+    return method
 
 
 def _cache_salt(get: GetInput) -> str | None:

@@ -11,6 +11,7 @@ Both run ``python_model/model.py`` (copied in as ``<model>/1/model.py``); the ``
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -19,7 +20,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 
 from ..config import PipelineConfig
 from ..serving_contract import ENGINE_INPUTS, INPUTS, MODEL, OUTPUTS, REQUIRED_INPUTS, STREAM_MODEL
-from .pbtxt import cpu_instances, set_parameters, tensor_in, tensor_out, write_model
+from .pbtxt import cpu_instances, set_parameters, tensor_in, tensor_out, to_text, write_model
 
 MODEL_FILE = Path(__file__).with_name("python_model") / "model.py"
 PIPELINE_ROOT = Path(__file__).resolve().parents[2]  # the folder that holds the `pipeline` package
@@ -67,8 +68,19 @@ def model_config(config: PipelineConfig, name: str, engine: bool, engines_root: 
 
 def write_torch_repository(repo: Path, config: PipelineConfig, engines_root: Path) -> list[Path]:
     folders = []
-    for name, engine in ((MODEL, False), (STREAM_MODEL, True)):
-        folder = write_model(repo, model_config(config, name, engine, engines_root))
+    for model in model_configs(config, engines_root):
+        folder = write_model(repo, model)
         shutil.copyfile(MODEL_FILE, folder / "1" / "model.py")
         folders.append(folder)
     return folders
+
+
+def model_configs(config: PipelineConfig, engines_root: Path) -> list[mc.ModelConfig]:
+    """The repository's two models as written: the request/response proxy and the engine model."""
+    return [model_config(config, name, engine, engines_root) for name, engine in ((MODEL, False), (STREAM_MODEL, True))]
+
+
+def configs_digest(config: PipelineConfig, engines_root: Path) -> str:
+    """A digest of the config.pbtxt texts this code writes: a deployed repository is stale when it changes (a new
+    input in the serving contract, a changed instance count), whatever the pipeline config says."""
+    return hashlib.sha256("".join(to_text(m) for m in model_configs(config, engines_root)).encode()).hexdigest()

@@ -358,5 +358,7 @@ def test_speculative_method_reaches_the_executor():
     assert named.executor_kwargs()["method"] == "suffix"
     with pytest.raises(RequestError, match="speculative_method: 33 bytes; send a method's name"):
         request(speculative_method=np.array([[b"x" * 33]], dtype=np.object_))
+    with pytest.raises(RequestError, match="speculative_method: 'fastest' is unknown; use one of draft_model, ngram"):
+        request(speculative_method=np.array([[b"fastest"]], dtype=np.object_))
     with pytest.raises(RequestError, match="speculative_method: expected one string"):
         request(speculative_method=np.array([[b"ngram", b"suffix"]], dtype=np.object_))

@@ -73,3 +73,19 @@ def test_torch_model_configs(tmp_path, instances, proxies):
         # the prefix-cache counters stay off the unauthenticated metrics port unless the config asks
         assert p["prefix_cache_metrics"] == "false" and float(p["request_timeout_s"]) == 600
         assert inputs["max_tokens_fit"].data_type == mc.TYPE_BOOL and inputs["cache_salt"].optional
+
+
+def test_a_repository_written_by_older_code_is_written_again(tiny_pair, tmp_path, monkeypatch):
+    """The deployed repository's key covers the config.pbtxt texts this code writes: a new input in the serving
+    contract redeploys it (a stale repository would drop the input silently: Triton's generate endpoint takes an
+    unknown JSON field as a parameter)."""
+    from pipeline.stages import run_stages
+    from pipeline.triton.repository import deploy
+
+    config = parse_config(tiny_config_dict(tiny_pair))
+    run_stages(config, tmp_path / "engines", ("convert", "build"))
+    repo = deploy(config, tmp_path / "engines").path
+    assert deploy(config, tmp_path / "engines").path == repo  # unchanged: kept
+    monkeypatch.setattr(torch_repo, "INPUTS", [*torch_repo.INPUTS, ("new_input", "INT32", [1])])
+    again = deploy(config, tmp_path / "engines").path
+    assert "new_input" in (again / "speculative_stream" / "config.pbtxt").read_text()
