@@ -39,3 +39,8 @@ def short_repr(value: object, limit: int = 80) -> str:
     if len(text) > limit + 10:  # reprlib bounds each part; a long dict key or nested mix can still add up
         text = text[:limit] + "..."
     return text.replace("\n", "\\n")
+
+
+class RequestError(PipelineError, ValueError):
+    """A request the engine cannot serve (prompt too long, bad sampling value, a malformed tool or format); the
+    runtime stays usable."""

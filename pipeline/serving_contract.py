@@ -27,6 +27,17 @@ INPUTS: list[tuple[str, str, list[int]]] = [
     # The request's drafting method (ngram, suffix, draft_model, ...; one the served engines can run), else the
     # config's: lets one server, and bench-serve, compare methods request by request.
     ("speculative_method", "STRING", [1]),
+    # Output controls, applied to the target's distribution at every verified position (and to the draft's):
+    ("presence_penalty", "FP32", [1]),  # OpenAI's, over the generated tokens
+    ("frequency_penalty", "FP32", [1]),
+    ("repetition_penalty", "FP32", [1]),  # over prompt and output; 1 disables it
+    ("logit_bias", "STRING", [1]),  # JSON object {"token id": bias}
+    ("min_tokens", "INT32", [1]),  # stop and EOS tokens are masked until this many were generated
+    ("ignore_eos", "BOOL", [1]),
+    ("logprobs", "INT32", [1]),  # present: every token's log-probability, with this many alternatives (0-20)
+    ("response_format", "STRING", [1]),  # JSON: OpenAI's response_format (json_object, json_schema, regex, grammar)
+    ("tools", "STRING", [1]),  # JSON: OpenAI's tools, rendered by the chat template (messages only)
+    ("tool_choice", "STRING", [1]),  # JSON: "none", "auto", "required" or {"type": "function", ...}
 ]
 REQUIRED_INPUTS = {"max_tokens"}  # one of text_input / input_ids / messages is checked by the model
 # The engine model's extra inputs: the proxy tags what it forwards, and cancels by that tag.
@@ -43,4 +54,7 @@ OUTPUTS: list[tuple[str, str, list[int]]] = [
     ("target_steps", "INT32", [1]),
     ("acceptance_rate", "FP32", [1]),
     ("mean_accepted_len", "FP32", [1]),
+    # JSON list, one entry per token of output_ids when the request asked for logprobs (else empty): [token id,
+    # token text, logprob, [[id, text, logprob], ...alternatives]]
+    ("logprobs", "STRING", [1]),
 ]

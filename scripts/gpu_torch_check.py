@@ -69,6 +69,7 @@ WHEELS = [
     ("annotated_types", "0.8.0", "pure", None),
     ("typing_inspection", "0.4.5", "pure", None),
     ("numpy", "1.26.4", "compiled", None),  # transformers imports it; torch does not require it
+    ("llguidance", "1.9.1", "compiled", None),
 ]
 TRANSFORMERS_PIN = "5.24.0"
 PROBE_MODULES = ["transformers", "pydantic", "yaml", "safetensors", "tokenizers", "huggingface_hub", "numpy", "tqdm"]

@@ -63,8 +63,8 @@ MUTANTS = [
            "batch.requests[row].params.top_p)) for i, row in enumerate(chosen)]",
            "temperature applied to the draft's distribution only (the target's stays at 1)"),
     Mutant("temperature_target_only", DRAFT,
-           "row_probs = logits_to_probs(logits[i][None], request.params)  # [1, V]",
-           "row_probs = logits_to_probs(logits[i][None], type(request.params)(1.0, request.params.top_k, "
+           "row_probs = logits_to_probs(row_logits, request.params)  # [1, V]",
+           "row_probs = logits_to_probs(row_logits, type(request.params)(1.0, request.params.top_k, "
            "request.params.top_p))  # [1, V]",
            "temperature applied to the target's distribution only (the draft samples at 1)"),
     Mutant("draft_probs_shifted", DRAFT,

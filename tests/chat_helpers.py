@@ -5,9 +5,17 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-# ChatML's shape with the tiny vocabulary's one special token as the end of each turn.
-TINY_CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] + '\\n' + message['content'] + eos_token + "
-                      "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ 'assistant\\n' }}{% endif %}")
+# ChatML's shape with the tiny vocabulary's one special token as the end of each turn; tools in a system turn and
+# calls as Hermes <tool_call> blocks (so the served chat pair has a tool format), rendered only when a request has them.
+TINY_CHAT_TEMPLATE = (
+    "{% if tools %}{{ 'system\\n# Tools\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}"
+    "{{ 'Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>' + eos_token + '\\n' }}{% endif %}"
+    "{% for message in messages %}{% if message.tool_calls %}{{ message['role'] + '\\n' }}"
+    "{% for call in message.tool_calls %}{{ '<tool_call>{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{% if call.function.arguments is string %}{{ call.function.arguments }}{% else %}"
+    "{{ call.function.arguments | tojson }}{% endif %}{{ '}</tool_call>' }}{% endfor %}{{ eos_token + '\\n' }}"
+    "{% else %}{{ message['role'] + '\\n' + message['content'] + eos_token + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant\\n' }}{% endif %}")
 
 
 def make_chat_pair(tiny_pair: Path, out: Path) -> Path:

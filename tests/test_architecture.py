@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "artifacts", "yaml_loader", "quantize", "medusa_heads", "eagle3_heads"),
     ("openai_api/",),
     ("front/",),
-    ("serving_contract",),
+    ("serving_contract", "tool_calls"),
     ("speculative/", "methods", "draft_vocab", "kv_settings", "layout", "dtypes", "decoder_support", "layer_math"),
     ("errors", "__init__"),
 ]

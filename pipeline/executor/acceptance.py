@@ -20,7 +20,7 @@ MAX_RATE = 0.999  # the speedup model divides by 1 - alpha
 # A request's rate with a proposer before it drafted with it (ngram+draft compares the two); a few steps of its own
 # outweigh these.
 PROPOSER_PRIOR = {Method.DRAFT_MODEL: 0.6, Method.NGRAM: 0.4, Method.MEDUSA: 0.4, Method.SUFFIX: 0.4,
-                  Method.EAGLE3: 0.6}
+                  Method.EAGLE3: 0.6, "grammar": 0.9}
 
 
 def judged_tokens(drafted: int, accepted: int) -> int:

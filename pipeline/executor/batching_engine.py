@@ -44,7 +44,9 @@ from ..kv_settings import KVSettings
 from .compiled_decoder import capped_width
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers, choose_drafter
+from .proposers.grammar import GrammarProposer
 from .proposers.ngram import row_lookup
+from .row_logits import adjust_verify, token_logprobs
 from .request import SpecRequest
 from .results import RequestError, RequestFailed, StreamEvent
 from .scheduler import Scheduler
@@ -95,6 +97,7 @@ class _Computed:
     outcome: dict[int, tuple[list[int], int, list[int]]] = field(default_factory=dict)
     hidden_rows: list[int] = field(default_factory=list)  # rows whose proposer reads the target's hidden states
     hidden: torch.Tensor | None = None  # [rows, width, d] the target's final hidden states, for hidden_rows
+    logprobs: dict = field(default_factory=dict)  # row -> its emitted tokens' TokenLogprobs, for rows that asked
     # per forward row (decoding rows, then prefilling ones): the aux layers' outputs of its tokens [count, n, d]
     aux: list | None = None
 
@@ -146,6 +149,7 @@ class BatchingEngine:
             self.draft, vocab_size, self.device, self.ngram,
             lambda rows, seconds: self._record("draft", rows, seconds), medusa, self.target,
             suffix or SuffixSettings(), (eagle3, eagle3_tree) if eagle3 is not None else None))
+        self.grammar_proposer = GrammarProposer(vocab_size, self.device, engine_draft_len)
         # Every runner holding KV per request: the target's, then each proposer's own (once however many share it).
         self.runners = [self.target, *dict.fromkeys(p.kv_runner for p in self.proposers.values()
                                                     if p.kv_runner is not None)]
@@ -322,6 +326,10 @@ class BatchingEngine:
     def _drafter(self, batch: StepBatch, row: int) -> Proposer | None:
         """The proposer that drafts ``row`` this step (choose_drafter's pick, when it can propose anything for the
         row: a Medusa row has no hidden state before its first verify), or None for a plain step."""
+        forced = self.grammar_proposer.limit(batch, row, batch.k[row])
+        if forced:  # tokens the request's grammar forces go first, whatever its method
+            batch.k[row] = forced
+            return self.grammar_proposer
         k = batch.k[row]
         if k == 0:
             return None
@@ -357,17 +365,19 @@ class BatchingEngine:
         if not decoding:
             return computed
         logits, computed.hidden = out if hidden_rows else (out, None)
-        logits = logits[:len(decoding), :, :self.vocab_size]  # [rows, width, V]
+        raw = logits[:len(decoding), :, :self.vocab_size]  # [rows, width, V]
+        # Row r's logits at padded position first_logit[r] + j judge its draft token j (j = num_draft: the bonus);
+        # for a tree row, first_logit[r] + j is node j's (the root's at j = 0).
+        batch.first_logit = torch.tensor([len(ids) for ids in inputs]) - batch.num_draft - 1
+        logits = adjust_verify(batch, raw)  # each row's penalties, bias and grammar, position by position
         best = logits.max(-1)  # [rows, width]: the greedy tokens, and NaN wherever a row's logits hold one
         broken = torch.isnan(best.values).any(-1).nonzero().flatten().tolist()
         if broken:
             raise FloatingPointError(f"target logits: NaN for request {decoding[broken[0]].id} (the model's output "
                                      f"for its tokens is not finite)")
-        # Row r's logits at padded position first_logit[r] + j judge its draft token j (j = num_draft: the bonus);
-        # for a tree row, first_logit[r] + j is node j's (the root's at j = 0).
-        batch.first_logit = torch.tensor([len(ids) for ids in inputs]) - batch.num_draft - 1
         computed.outcome = self._accept_greedy(batch, best.indices) | self._accept_sampled(batch, logits) | \
             self._accept_trees(batch, logits)
+        computed.logprobs = token_logprobs(batch, raw, computed.outcome)
         computed.hidden_rows = hidden_rows
         return computed
 
@@ -405,7 +415,8 @@ class BatchingEngine:
                 if self.policy is not None:
                     self.policy.observe(request.id, drafted, accepted)
                 last_position[row] = int(batch.first_logit[row]) + (path[-1] if path else accepted)
-                events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row])))
+                events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row],
+                                                        logprobs=computed.logprobs.get(row))))
                 self._commit(request)
                 kept.append(row)
             except Exception as exc:  # noqa: BLE001 - this row's own failure

@@ -15,9 +15,10 @@ import torch
 
 from ..methods import Method
 from ..speculative import SamplingParams
+from ..speculative.sampling_params import LogitsAdjust
 from .acceptance import PROPOSER_PRIOR, AcceptanceEstimate
 from .request_values import DraftPlan
-from .results import GenerationResult, GenerationStats, RequestFailed, StreamEvent
+from .results import GenerationResult, GenerationStats, RequestFailed, StreamEvent, TokenLogprob
 
 _ids = itertools.count()
 
@@ -58,8 +59,12 @@ class SpecRequest:
     seed: int | None = None  # as given (the generator already holds it; engines that take seeds read it here)
     method: Method = Method.DRAFT_MODEL  # who proposes (ngram+draft: chosen per step)
     cache_salt: str | None = None  # prefix reuse only among requests with the same salt (None: among unsalted ones)
+    adjust: LogitsAdjust = LogitsAdjust()  # penalties, bias and min_tokens on the target's (and draft's) logits
+    grammar: object = None  # a GrammarMatcher (pipeline.speculative.grammar) constraining the output, or None
+    logprobs: int | None = None  # None: no log-probabilities; n >= 0: each token's, with the n likeliest beside it
     id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)  # tokens emitted so far (no prompt)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per generated token, when asked for
     stats: GenerationStats = field(default_factory=GenerationStats)
     finish_reason: str | None = None  # "eos" | "stop" | "length" | "cancelled" | "error"
     dynamic_draft_len: int = 0  # dynamic K's current value (the step_draft_len before caps), 1..max_draft_len
@@ -103,11 +108,12 @@ class SpecRequest:
     # ---- one step's outcome --------------------------------------------------------------------------------------
 
     def advance(self, new_tokens: Sequence[int], drafted: int, accepted: int, plain_run: bool = False,
-                proposer: Method | None = None) -> StreamEvent:
+                proposer: Method | str | None = None, logprobs: list[TokenLogprob] | None = None) -> StreamEvent:
         """Record one target step that emitted ``new_tokens`` (accepted draft tokens + one target token).
 
         ``plain_run``: the tokens come from plain decoding, one target step each (an engine that decoded several
-        tokens in one call); they are emitted as one event."""
+        tokens in one call); they are emitted as one event. ``logprobs``: one per new token, when the request asked
+        for them; cut with the tokens. A grammar, when the request has one, consumes the tokens kept."""
         tokens = list(new_tokens)[:self.remaining]
         reason = None
         for i, token in enumerate(tokens):
@@ -121,12 +127,18 @@ class SpecRequest:
             self.acceptance(proposer).observe(drafted, accepted)
         if self.plan.dynamic and drafted > 0:
             self.dynamic_draft_len = next_draft_len(self.dynamic_draft_len, drafted, accepted, self.plan.max_draft_len)
+        if self.grammar is not None:
+            self.grammar.consume(tokens)
         self.generated.extend(tokens)
+        kept_logprobs = list(logprobs[:len(tokens)]) if logprobs is not None else None
+        if kept_logprobs is not None:
+            self.token_logprobs.extend(kept_logprobs)
         self.stats.generated_tokens = len(self.generated)
         if reason is None and (self.remaining <= 0 or not tokens):
             reason = "length"
         self.finish_reason = reason
-        return StreamEvent(tokens, self._text_delta(), reason is not None, reason, self.stats)
+        return StreamEvent(tokens, self._text_delta(), reason is not None, reason, self.stats,
+                           logprobs=kept_logprobs)
 
     def cancel(self) -> StreamEvent:
         """Finish now (the client went away); the event carries no tokens."""
@@ -149,4 +161,5 @@ class SpecRequest:
 
     def result(self, text_of) -> GenerationResult:
         return GenerationResult(list(self.generated), text_of(self.generated), self.stats,
-                                self.finish_reason or "length", prompt_tokens=len(self.prompt_ids))
+                                self.finish_reason or "length", prompt_tokens=len(self.prompt_ids),
+                                logprobs=list(self.token_logprobs) if self.logprobs is not None else None)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import short_repr
-from ..speculative.sampling_params import SamplingParams
+from ..speculative.sampling_params import MAX_LOGIT_BIAS, PENALTY_LIMIT, LogitsAdjust, SamplingParams
 from .results import RequestError
 
 MAX_NEW_TOKENS = 2**31 - 1  # what an INT32 tensor (Triton's max_tokens) can carry
@@ -107,3 +107,73 @@ def check_prompt(prompt_ids: list[int], max_new_tokens: int, *, max_input_len: i
         raise RequestError(f"max_new_tokens: {len(prompt_ids)} prompt + {max_new_tokens} new tokens exceeds "
                            f"max_seq_len {max_seq_len}; ask for at most "
                            f"{max(max_seq_len - len(prompt_ids), 0)} new tokens")
+
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on alternatives per token
+MAX_LOGIT_BIAS_VALUE = 100.0  # OpenAI's range: [-100, 100]
+
+
+@dataclass(frozen=True)
+class OutputControls:
+    """What a request asks of its output beyond sampling: the logit adjustments, log-probabilities, a response
+    format (checked and compiled where the tokenizer is) and whether EOS ends it."""
+
+    adjust: LogitsAdjust = LogitsAdjust()
+    logprobs: int | None = None  # None: none; n: each token's log-probability with the n likeliest beside it
+    response_format: object = None  # OpenAI's response_format, as given (None: free text)
+    ignore_eos: bool = False  # keep generating past EOS (stop tokens still end the request)
+
+
+def _float(value, name: str, low: float, high: float, rule: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+        raise RequestError(f"{name}: {short_repr(value)} must be a number in [{low:g}, {high:g}] ({rule})")
+    return float(value)
+
+
+def _logit_bias(value, name: str, vocab_size: int | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (keys as strings, as JSON has them; ints taken too) -> sorted pairs."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(f"{name}: {short_repr(value)} must be an object of token id -> bias, such as "
+                           f'{{"50256": -100}}')
+    if len(value) > MAX_LOGIT_BIAS:
+        raise RequestError(f"{name}: {len(value)} entries; send at most {MAX_LOGIT_BIAS}")
+    pairs = []
+    for key, bias in value.items():
+        token = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else key
+        if not _int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f" in [0, {vocab_size})" if vocab_size is not None else " >= 0"
+            raise RequestError(f"{name}: key {short_repr(key)} is not a token id{where}; key the object by token "
+                               f"ids written as strings")
+        pairs.append((token, _float(bias, f"{name}[{key}]", -MAX_LOGIT_BIAS_VALUE, MAX_LOGIT_BIAS_VALUE,
+                                    "added to the token's logit; -100 bans it")))
+    return tuple(sorted(pairs))
+
+
+def validate_controls(presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0, logit_bias=None,
+                      min_tokens=0, ignore_eos=False, logprobs=None, response_format=None, *,
+                      vocab_size: int | None = None, names: Mapping[str, str] | None = None) -> OutputControls:
+    """Check a request's output controls; raises RequestError naming the value (as ``names`` spells it) and the fix.
+
+    ``logprobs``: None (none), or how many likeliest alternatives to return beside each token (0..20)."""
+    def name(key: str) -> str:
+        return (names or {}).get(key, key)
+
+    presence = _float(presence_penalty, name("presence_penalty"), -PENALTY_LIMIT, PENALTY_LIMIT, "0 disables it")
+    frequency = _float(frequency_penalty, name("frequency_penalty"), -PENALTY_LIMIT, PENALTY_LIMIT, "0 disables it")
+    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) or \
+            not 0 < repetition_penalty <= 1e4:
+        raise RequestError(f"{name('repetition_penalty')}: {short_repr(repetition_penalty)} must be a number > 0 "
+                           f"(1 disables it; above 1 discourages repeats)")
+    if not _int(min_tokens) or not 0 <= min_tokens <= MAX_NEW_TOKENS:
+        raise RequestError(f"{name('min_tokens')}: {short_repr(min_tokens)} must be an integer >= 0 (0 disables "
+                           f"it)")
+    if not isinstance(ignore_eos, bool):
+        raise RequestError(f"{name('ignore_eos')}: {short_repr(ignore_eos)} must be true or false")
+    if logprobs is not None and (not _int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        raise RequestError(f"{name('logprobs')}: {short_repr(logprobs)} must be an integer in [0, "
+                           f"{MAX_TOP_LOGPROBS}] (the likeliest tokens returned beside each token), or None")
+    adjust = LogitsAdjust(presence, frequency, float(repetition_penalty),
+                          _logit_bias(logit_bias, name("logit_bias"), vocab_size), min_tokens)
+    return OutputControls(adjust, logprobs, response_format, ignore_eos)

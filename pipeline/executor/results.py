@@ -4,11 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from ..errors import PipelineError
-
-
-class RequestError(PipelineError, ValueError):
-    """A request the engine cannot serve (prompt too long, bad sampling value); the runtime stays usable."""
+from ..errors import PipelineError, RequestError  # noqa: F401 - RequestError: re-exported, the executor API names it
 
 
 class RequestFailed(RuntimeError):
@@ -120,10 +116,24 @@ class GenerationResult(_ItemAccess):
     stats: GenerationStats
     finish_reason: str  # "eos" | "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them
 
     def to_dict(self) -> dict:
-        return {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict(),
+        data = {"token_ids": self.token_ids, "text": self.text, "stats": self.stats.to_dict(),
                 "finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens}
+        if self.logprobs is not None:
+            data["logprobs"] = [asdict(entry) for entry in self.logprobs]
+        return data
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """An emitted token's log-probability under the target (its raw log-softmax at the token's position), with the
+    most likely tokens there, best first, when the request asked for alternatives."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # [(token id, logprob)] the request's top_logprobs alternatives; [] when none
 
 
 @dataclass
@@ -136,3 +146,4 @@ class StreamEvent:
     finish_reason: str | None
     stats: GenerationStats  # running totals for this request
     error: RequestFailed | None = None  # set on the last event of a request the engine failed (finish_reason "error")
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked for them

@@ -35,7 +35,7 @@ from .base import ExecutorBase, checked_acceptance
 from .proposers import CostRatio, choose_drafter
 from .proposers.suffix import SuffixTrees
 from .request import SpecRequest
-from .request_values import DraftLen
+from .request_values import DraftLen, OutputControls, validate_controls
 from .results import RequestError, StreamEvent
 
 # What this loop knows how to run (see _step and _run); any other method is refused by name when the engines are
@@ -175,7 +175,12 @@ class TrtllmSpeculativeExecutor(ExecutorBase):
                     seed: int | None = None, max_draft_len: DraftLen = None,
                     stop_token_ids: Sequence[int] | None = None, with_text: bool = True,
                     method: str | None = None, fit_max_tokens: bool = False,
-                    cache_salt: str | None = None) -> SpecRequest:
+                    cache_salt: str | None = None, **controls) -> SpecRequest:
+        if validate_controls(**controls, vocab_size=self.vocab_size) != OutputControls():
+            raise RequestError(f"{', '.join(sorted(controls))}: penalties, logit_bias, min_tokens, ignore_eos, logprobs "
+                               f"and response_format are not applied by the trtllm backend yet (its executor runs "
+                               f"TensorRT-LLM's own sampling per step); leave them out, or serve with the torch "
+                               f"backend")
         if cache_salt is not None:
             raise RequestError(f"cache_salt: {short_repr(cache_salt)}, but TensorRT-LLM's KV block reuse here is "
                                f"shared by every request and cannot be kept apart per salt; leave cache_salt unset, or "

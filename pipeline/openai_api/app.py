@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import time
 
@@ -27,10 +28,12 @@ from starlette.routing import Route
 
 from ..front.guard import Guard, GuardSettings
 from ..front.http_server import drain_deadline
+from ..tool_calls import ToolCallStream, parse_tool_calls
 from .errors import ApiError, error_body
 from .generation import Generation
 from .protocol import GenerationRequest, ServedModel, parse_chat, parse_completion
-from .responses import DONE, Reply, model_card, sse, usage
+from .logprobs import chat_logprobs, completion_logprobs
+from .responses import DONE, Reply, merged_stats, model_card, sse, tool_call_body, usage
 from .triton_stream import TritonStreamClient
 
 ROUTES = "GET /v1/models, POST /v1/completions, POST /v1/chat/completions"
@@ -84,23 +87,7 @@ def create_app(served: ServedModel, triton_url: str, *, guard: GuardSettings,
         return await _generate(request, parse_chat(await _read_json(request, served.max_body_bytes), served))
 
     async def _generate(request: Request, parsed: GenerationRequest) -> Response:
-        ends = Ends(request_timeout_s, drain_deadline(request.scope))
-        generation = Generation(request.app.state.triton, parsed)
-        reply = Reply.new(parsed.chat, served.name)
-        if not parsed.stream:
-            try:
-                text = await ends.first(_collect(generation), request.receive)
-            finally:
-                await generation.close()
-            totals = usage(generation.prompt_tokens, generation.completion_tokens)
-            return JSONResponse(reply.completion(text, generation.finish_reason, totals, generation.speculative))
-        try:
-            await ends.first(generation.start(), request.receive)
-        except BaseException:
-            await generation.close()
-            raise
-        return EventStream(_events(generation, reply, parsed.include_usage, ends), media_type="text/event-stream",
-                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return await _answer(request, parsed, served.name, Ends(request_timeout_s, drain_deadline(request.scope)))
 
     routes = [
         Route("/v1/models", list_models, methods=["GET"]),
@@ -111,6 +98,29 @@ def create_app(served: ServedModel, triton_url: str, *, guard: GuardSettings,
     handlers = {ApiError: _api_error, HTTPException: _http_error, _ClientGone: _client_gone,
                 Exception: _internal_error}
     return Guard(Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan), guard, error_body)
+
+
+async def _answer(request: Request, parsed: GenerationRequest, model: str, ends: Ends) -> Response:
+    """One checked request's answer: a whole body, or an event stream once every choice's first step is in."""
+    # n choices are n engine requests, batched with everything else; their shared prompt is computed once
+    # when the prefix cache is on (the later ones find its blocks).
+    generations = [Generation(request.app.state.triton, parsed, index) for index in range(parsed.n)]
+    reply = Reply.new(parsed.chat, model)
+    if not parsed.stream:
+        try:
+            texts = await ends.first(_all(map(_collect, generations)), request.receive)
+        finally:
+            await _close(generations)
+        choices = [_choice(reply, parsed, generation, text) for generation, text in zip(generations, texts)]
+        return JSONResponse(reply.completions(choices, _usage(generations),
+                                              merged_stats([g.speculative for g in generations])))
+    try:
+        await ends.first(_all(g.start() for g in generations), request.receive)
+    except BaseException:
+        await _close(generations)
+        raise
+    return EventStream(_events(generations, reply, parsed, ends), media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class Ends:
@@ -154,27 +164,118 @@ class Ends:
         raise self.error()
 
 
+async def _all(awaitables) -> list:
+    """gather() inside a task of its own: Ends.first cancels that task, which then reads as cancelled (a bare
+    gather future cancelled ends with a CancelledError result instead)."""
+    return await asyncio.gather(*awaitables)
+
+
 async def _collect(generation: Generation) -> str:
     return "".join([piece async for piece in generation.pieces()])
 
 
-async def _events(generation: Generation, reply: Reply, include_usage: bool, ends: Ends):
-    pieces = generation.pieces()
+async def _close(generations: list[Generation]) -> None:
+    for generation in generations:
+        await generation.close()
+
+
+def _usage(generations: list[Generation]) -> dict:
+    """The prompt once, the completion tokens of every choice."""
+    return usage(generations[0].prompt_tokens, sum(g.completion_tokens for g in generations))
+
+
+def _logprobs(reply: Reply, entries: list, offset: int = 0) -> dict:
+    return chat_logprobs(entries) if reply.chat else completion_logprobs(entries, offset)
+
+
+def _choice(reply: Reply, parsed: GenerationRequest, generation: Generation, text: str) -> dict:
+    """One choice of a whole answer: its text (a chat's tool calls parsed out of it) and its logprobs."""
+    logprobs = _logprobs(reply, generation.logprobs) if parsed.logprobs else None
+    if parsed.tool_format is None:
+        return reply.choice(text, generation.finish_reason, generation.index, logprobs)
+    content, calls = parse_tool_calls(text, parsed.tool_format)
+    finish_reason = "tool_calls" if calls and generation.finish_reason == "stop" else generation.finish_reason
+    return reply.choice(content, finish_reason, generation.index, logprobs, [tool_call_body(call) for call in calls])
+
+
+async def _choice_chunks(generation: Generation, reply: Reply, parsed: GenerationRequest, ends: Ends):
+    """One choice's stream: its role chunk (chat), its pieces with their tokens' logprobs and tool-call deltas, and
+    its last chunk with the finish reason and its acceptance statistics."""
+    chunk = functools.partial(reply.chunk, index=generation.index, include_usage=parsed.include_usage)
+    tools = ToolCallStream(parsed.tool_format) if parsed.tool_format is not None else None
+    pieces, sent = generation.pieces(), 0
     try:
         if reply.chat:  # OpenAI's first chat chunk names the role
-            yield sse(reply.chunk(role=True, include_usage=include_usage))
+            yield chunk(role=True)
         while (piece := await ends.first(anext(pieces, None))) is not None:
-            yield sse(reply.chunk(piece, include_usage=include_usage))
-        yield sse(reply.chunk(finish_reason=generation.finish_reason, include_usage=include_usage,
-                              speculative=generation.speculative))
-        if include_usage:
-            yield sse(reply.usage_chunk(usage(generation.prompt_tokens, generation.completion_tokens)))
+            logprobs = _logprobs(reply, generation.take_logprobs(), sent) if parsed.logprobs else None
+            sent += len(piece)
+            if tools is None:
+                yield chunk(piece, logprobs=logprobs)
+                continue
+            for delta in tools.feed(piece):
+                yield chunk(delta, logprobs=logprobs) if isinstance(delta, str) else chunk(tool_calls=[delta])
+        finish_reason = generation.finish_reason
+        for delta in tools.finish() if tools is not None else []:
+            yield chunk(delta) if isinstance(delta, str) else chunk(tool_calls=[delta])
+        if tools is not None and tools.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        rest = generation.take_logprobs() if parsed.logprobs else []
+        yield chunk(finish_reason=finish_reason, speculative=generation.speculative,
+                    logprobs=_logprobs(reply, rest, sent) if rest else None)
+    finally:
+        await pieces.aclose()
+
+
+async def _events(generations: list[Generation], reply: Reply, parsed: GenerationRequest, ends: Ends):
+    streams = [_choice_chunks(generation, reply, parsed, ends) for generation in generations]
+    try:
+        async for body in _merged(streams):
+            yield sse(body)
+        if parsed.include_usage:
+            yield sse(reply.usage_chunk(_usage(generations)))
     except ApiError as exc:  # the status line has gone out: the error travels in-band, as OpenAI's streams do
         yield sse(exc.body())
     finally:
-        await pieces.aclose()
-        await generation.close()
+        for stream in streams:
+            await stream.aclose()
+        await _close(generations)
     yield DONE
+
+
+async def _merged(streams: list):
+    """The items of several async iterators as each arrives (one iterator: in order, without tasks); the first
+    error of any ends the whole."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(end)
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader, who raises it
+            await queue.put(exc)
+
+    tasks = [asyncio.ensure_future(pump(stream)) for stream in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if item is end:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _read_json(request: Request, limit: int) -> object:

@@ -19,14 +19,17 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 class Generation:
     """One request, used once: start() (optional), then pieces(), then close() whatever happened."""
 
-    def __init__(self, client: TritonStreamClient, request: GenerationRequest):
-        self._steps = client.steps(request.inputs)
+    def __init__(self, client: TritonStreamClient, request: GenerationRequest, index: int = 0):
+        self.index = index  # the choice this generation answers (n > 1: one generation per choice)
+        self._steps = client.steps(request.choice_inputs(index))
         self._stop = StopMatcher(request.stop)
         self._first: Step | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0  # tokens the engine generated, up to the step where a stop string matched
         self.finish_reason: str | None = None  # OpenAI's "stop" or "length", once the last piece is out
         self.speculative: dict = {}  # the acceptance statistics of the last step received
+        self.logprobs: list = []  # every step's logprobs entries so far (the request asked for them)
+        self._fresh: list = []  # the entries not yet taken (take_logprobs)
 
     async def start(self) -> None:
         """Wait for the first engine step, so a request the model refuses fails before an HTTP status is sent."""
@@ -39,6 +42,8 @@ class Generation:
             self.prompt_tokens = step.prompt_tokens
             self.completion_tokens += len(step.token_ids)
             self.speculative = step.stats
+            self.logprobs.extend(step.logprobs)
+            self._fresh.extend(step.logprobs)
             text, stopped = self._stop.feed(step.text)
             if text:
                 yield text
@@ -53,6 +58,12 @@ class Generation:
                 self.finish_reason = FINISH_REASONS.get(step.finish_reason, "stop")
                 return
             step = await self._next()
+
+    def take_logprobs(self) -> list:
+        """The logprobs entries of the steps read since the last call: a streamed piece's tokens (with a stop
+        string, the whole step it matched in)."""
+        fresh, self._fresh = self._fresh, []
+        return fresh
 
     async def close(self) -> None:
         await self._steps.aclose()

@@ -11,6 +11,7 @@ max_input_len, message roles, the chat template) stay in one place, the model's 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -32,33 +33,31 @@ UINT64_LIMIT = 2**64
 # Bookkeeping fields that do not change the output: accepted and ignored.
 IGNORED = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                      "safety_identifier"})
+# The output controls: numbers and flags forwarded as the Triton inputs of the same name (the model checks ranges).
+CONTROL_NUMBERS = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 COMMON = frozenset({"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "seed", "stop",
-                    "top_k", "num_draft_tokens", "cache_salt", "speculative_method"})
+                    "top_k", "num_draft_tokens", "cache_salt", "speculative_method", "n", "logprobs", "logit_bias",
+                    "min_tokens", "ignore_eos", "response_format", *CONTROL_NUMBERS})
+MAX_CHOICES = 16  # n: each choice is a request of its own in the engine's batch
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' logprobs
+MAX_TOP_LOGPROBS = 20  # and for chat's top_logprobs
 # Fields that change the output and that this server cannot honour: accepted only at their neutral values.
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "one choice per request is supported; send n requests instead"),
-    "best_of": ((1,), "one candidate per request is supported; leave it out"),
+    "best_of": ((1,), "one candidate per choice is supported; use n for several choices"),
     "echo": ((False,), "the prompt is not echoed back; prepend it yourself"),
     "suffix": (("",), "insertion (text after the completion) is not supported; leave it out"),
-    "logprobs": ((False,), "log probabilities are not returned; leave it out"),
-    "top_logprobs": ((0,), "log probabilities are not returned; leave it out"),
-    "presence_penalty": ((0,), "penalties are not applied; leave it at 0"),
-    "frequency_penalty": ((0,), "penalties are not applied; leave it at 0"),
-    "logit_bias": (({},), "logit bias is not applied; leave it out"),
-    "tools": (([],), "tool calling is not supported; leave it out"),
-    "functions": (([],), "function calling is not supported; leave it out"),
-    "tool_choice": (("none",), "tool calling is not supported; leave it out"),
-    "function_call": (("none",), "function calling is not supported; leave it out"),
-    "response_format": (({"type": "text"},), "structured output is not supported; ask for the format in the prompt"),
+    "functions": (([],), "the deprecated functions field is not supported; send tools"),
+    "function_call": (("none",), "the deprecated function_call field is not supported; send tool_choice"),
     "modalities": ((["text"],), "text output only; leave it out"),
     "audio": ((), "text output only; leave it out"),
     "prediction": ((), "predicted outputs are not supported; leave it out"),
 }
-COMPLETION_FIELDS = COMMON | {"prompt", "n", "best_of", "echo", "suffix", "logprobs", "presence_penalty",
-                              "frequency_penalty", "logit_bias"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens"} | (UNSUPPORTED.keys() - {"best_of", "echo", "suffix"})
+COMPLETION_FIELDS = COMMON | {"prompt", "best_of", "echo", "suffix"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice"} | \
+    (UNSUPPORTED.keys() - {"best_of", "echo", "suffix"})
 # Message keys a client may echo back from a response; ignored while empty (the template never sees them).
-ECHOED_MESSAGE_KEYS = frozenset({"refusal", "annotations", "audio", "tool_calls", "function_call", "tool_call_id"})
+ECHOED_MESSAGE_KEYS = frozenset({"refusal", "annotations", "audio", "function_call"})
+TOOL_MESSAGE_KEYS = ("tool_calls", "tool_call_id")  # an agent loop's calls and results: checked by the model
 
 
 @dataclass(frozen=True)
@@ -69,6 +68,7 @@ class ServedModel:
     max_seq_len: int
     max_input_len: int
     max_prompt_bytes: int  # the model refuses a longer text prompt before tokenizing it
+    tool_format: str | None = None  # how the chat template writes tool calls (pipeline.tool_calls); None: no tools
 
     @property
     def chat_max_tokens(self) -> int:
@@ -92,6 +92,15 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: n engine requests, the i-th seeded seed + i when a seed is given
+    logprobs: bool = False  # the response carries each token's log-probability (Triton's logprobs input is set)
+    tool_format: str | None = None  # parse the answer's tool calls in this format (None: plain content)
+
+    def choice_inputs(self, index: int) -> dict[str, object]:
+        """The Triton inputs of choice ``index``: its own seed, so a seed reproduces all n and they differ."""
+        if index == 0 or "seed" not in self.inputs:
+            return self.inputs
+        return {**self.inputs, "seed": (int(self.inputs["seed"]) + index) % UINT64_LIMIT}
 
 
 def parse_completion(body: object, served: ServedModel) -> GenerationRequest:
@@ -100,7 +109,9 @@ def parse_completion(body: object, served: ServedModel) -> GenerationRequest:
         raise bad_request("prompt", "required; send the prompt text (or a list of token ids)")
     name, prompt = _prompt(body["prompt"])
     max_tokens = _max_tokens(body, ("max_tokens",), COMPLETION_MAX_TOKENS)
-    return _request(body, chat=False, prompt={name: prompt}, max_tokens=max_tokens)
+    logprobs = _integer(body, "logprobs", f"must be an integer in [0, {MAX_COMPLETION_LOGPROBS}] (the likeliest "
+                                          f"tokens returned beside each token)", MAX_COMPLETION_LOGPROBS)
+    return _request(body, chat=False, prompt={name: prompt}, max_tokens=max_tokens, logprobs=logprobs)
 
 
 def parse_chat(body: object, served: ServedModel) -> GenerationRequest:
@@ -109,8 +120,40 @@ def parse_chat(body: object, served: ServedModel) -> GenerationRequest:
         raise bad_request("messages", 'required; send [{"role": "user", "content": "..."}]')
     messages = _messages(body["messages"])
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), served.chat_max_tokens)
-    return _request(body, chat=True, prompt={"messages": json.dumps(messages, ensure_ascii=False)},
-                    max_tokens=max_tokens)
+    prompt = {"messages": json.dumps(messages, ensure_ascii=False), **_tools(body, served)}
+    request = _request(body, chat=True, prompt=prompt, max_tokens=max_tokens, logprobs=_chat_logprobs(body))
+    if "tools" in prompt and body.get("tool_choice") != "none":
+        request = dataclasses.replace(request, tool_format=served.tool_format)
+    return request
+
+
+def _chat_logprobs(body: dict) -> int | None:
+    """Chat's logprobs (true/false) and top_logprobs (0-20) -> the alternatives per token, or None for none."""
+    wanted = body.get("logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise bad_request("logprobs", f"{short_repr(wanted, 40)} must be true or false (top_logprobs sets how many "
+                                      f"alternatives)")
+    top = _integer(body, "top_logprobs", f"must be an integer in [0, {MAX_TOP_LOGPROBS}]", MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise bad_request("top_logprobs", "only with logprobs: true; set logprobs too")
+    return (top or 0) if wanted else None
+
+
+def _tools(body: dict, served: ServedModel) -> dict[str, str]:
+    """tools and tool_choice as the model's JSON inputs; refused at once when the template has no tool format."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise bad_request("tool_choice", f"{short_repr(choice, 60)} needs tools; send tools too")
+        return {}
+    if served.tool_format is None:
+        raise bad_request("tools", f"the chat template of {served.name} does not render tools, so it has no "
+                                   f"tool-call format; leave tools out, or serve a model whose template has one",
+                          code="unsupported_parameter")
+    inputs = {"tools": json.dumps(tools, ensure_ascii=False)}
+    if choice is not None:
+        inputs["tool_choice"] = json.dumps(choice, ensure_ascii=False)
+    return inputs
 
 
 # ---- the parts ------------------------------------------------------------------------------------------------------
@@ -173,7 +216,26 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int) -> tuple[int, 
     return next(iter(given.values()), default), not given
 
 
-def _request(body: dict, chat: bool, prompt: dict, max_tokens: tuple[int, bool]) -> GenerationRequest:
+def _controls(body: dict) -> dict[str, object]:
+    """The output controls given, as Triton inputs: numbers checked for type and range here, the rest by the model
+    (JSON values are forwarded as JSON text)."""
+    inputs: dict[str, object] = {name: _number(body, name) for name in CONTROL_NUMBERS}
+    inputs["min_tokens"] = _integer(body, "min_tokens", "must be an integer >= 0 (stop tokens wait until then)")
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise bad_request("ignore_eos", f"{short_repr(ignore_eos, 40)} must be true or false")
+    inputs["ignore_eos"] = ignore_eos
+    for name in ("logit_bias", "response_format"):
+        value = body.get(name)
+        if value is not None and not isinstance(value, dict):
+            raise bad_request(name, f"{short_repr(value, 60)} must be a JSON object")
+        if value and value != {"type": "text"}:  # free text is what a request without the field gets
+            inputs[name] = json.dumps(value, ensure_ascii=False)
+    return {name: value for name, value in inputs.items() if value is not None}
+
+
+def _request(body: dict, chat: bool, prompt: dict, max_tokens: tuple[int, bool],
+             logprobs: int | None = None) -> GenerationRequest:
     temperature = _number(body, "temperature")
     inputs: dict[str, object] = {
         **prompt, "max_tokens": max_tokens[0],
@@ -200,6 +262,12 @@ def _request(body: dict, chat: bool, prompt: dict, max_tokens: tuple[int, bool])
             raise bad_request("speculative_method", f"{short_repr(method, 40)} must be a method's name such as "
                                                     f"\"ngram\"")
         inputs["speculative_method"] = method
+    inputs.update(_controls(body))
+    if logprobs is not None:
+        inputs["logprobs"] = logprobs
+    n = _integer(body, "n", f"must be an integer in [1, {MAX_CHOICES}] (the number of choices)", MAX_CHOICES)
+    if n == 0:
+        raise bad_request("n", f"0 must be an integer in [1, {MAX_CHOICES}] (the number of choices)")
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise bad_request("stream", f"{short_repr(stream, 40)} must be true or false")
@@ -213,7 +281,7 @@ def _request(body: dict, chat: bool, prompt: dict, max_tokens: tuple[int, bool])
                                                 f'{{"include_usage": true}}')
         include_usage = options.get("include_usage", False)
     return GenerationRequest(chat=chat, inputs=inputs, stop=_stop(body.get("stop")), stream=bool(stream),
-                             include_usage=include_usage)
+                             include_usage=include_usage, n=n or 1, logprobs=logprobs is not None)
 
 
 def _stop(value: object) -> tuple[str, ...]:
@@ -259,16 +327,18 @@ def _messages(value: object) -> list[dict]:
             raise ApiError(400, f"{where}: {short_repr(message, 40)} is not an object with role and content",
                            param="messages")
         for key, item in message.items():
-            if key in ("role", "content", "name"):  # the participant's name is not rendered: templates differ
+            if key in ("role", "content", "name", *TOOL_MESSAGE_KEYS):  # a name is not rendered: templates differ
                 continue
             if key in ECHOED_MESSAGE_KEYS and not item:
                 continue
-            why = ("tool calling is not supported" if key.startswith(("tool", "function"))
-                   else "a message holds role and content")
+            why = ("send tools and tool_choice instead" if key.startswith("function")
+                   else "a message holds role, content, and tool_calls or tool_call_id")
             raise ApiError(400, f"{where}.{key}: not supported ({why}); remove it", param="messages")
         content = message.get("content")
-        converted.append({"role": message.get("role"),
-                          "content": _text_parts(content, where) if isinstance(content, list) else content})
+        entry = {"role": message.get("role"),
+                 "content": _text_parts(content, where) if isinstance(content, list) else content}
+        entry.update({key: message[key] for key in TOOL_MESSAGE_KEYS if message.get(key)})
+        converted.append(entry)
     return converted
 
 

@@ -9,8 +9,10 @@ request in ``spec_requests_total{outcome="cancelled"}``).
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
@@ -47,6 +49,8 @@ class Step:
     finish_reason: str  # the engine's ("eos", "stop", "length"); "" until the last step
     prompt_tokens: int
     stats: dict  # STAT_FIELDS, running totals for the request
+    # per token of token_ids when the request asked for logprobs: [id, text, logprob, [[id, text, logprob], ...]]
+    logprobs: list = field(default_factory=list)
 
 
 def infer_inputs(values: dict[str, object]) -> list[grpcclient.InferInput]:
@@ -73,7 +77,14 @@ def _step(result) -> Step:
     return Step(text=scalar("text_output").decode("utf-8", "replace"),
                 token_ids=result.as_numpy("output_ids").reshape(-1).tolist(),
                 finish_reason=scalar("finish_reason").decode(), prompt_tokens=int(scalar("prompt_tokens")),
-                stats={name: _plain(scalar(name).item()) for name in STAT_FIELDS})
+                stats={name: _plain(scalar(name).item()) for name in STAT_FIELDS}, logprobs=_logprobs(result))
+
+
+def _logprobs(result) -> list:
+    """The step's logprobs output (JSON text; empty when not asked for, or from a model without the output)."""
+    raw = result.as_numpy("logprobs")  # None when the response lacks the output
+    text = raw.reshape(-1)[0] if raw is not None and raw.size else b""
+    return json.loads(text) if text else []
 
 
 def _plain(value: int | float) -> int | float:
@@ -87,7 +98,7 @@ def request_error(message: str) -> ApiError:
         return ApiError(500, message)
     if any(marker in message for marker in UNAVAILABLE_MARKERS):
         return ApiError(503, f"the Triton model {STREAM_MODEL} is not available ({message}); retry shortly")
-    name = message.split(":", 1)[0]
+    name = re.split(r"[.\[]", message.split(":", 1)[0], maxsplit=1)[0]  # response_format.json_schema -> the field
     # The model names its inputs; the OpenAI side calls the prompt inputs "prompt"/"messages".
     param = {"text_input": "prompt", "input_ids": "prompt", "max_new_tokens": "max_tokens"}.get(name, name)
     return ApiError(400, message, param=param if param.isidentifier() else None)

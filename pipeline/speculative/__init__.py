@@ -7,7 +7,7 @@ config should not pay torch's import first.
 import importlib
 
 _HOME = {"accept_greedy": "accept", "accept_matching": "accept", "accept_rejection": "accept",
-         "SamplingParams": "sampling_params", "logits_to_probs": "sampling", "sample": "sampling",
+         "SamplingParams": "sampling_params", "LogitsAdjust": "sampling_params", "adjust_logits": "penalties", "logits_to_probs": "sampling", "sample": "sampling",
          "sample_inverse_cdf": "sampling"}
 __all__ = list(_HOME)
 

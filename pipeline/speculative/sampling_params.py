@@ -22,3 +22,44 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+
+
+@dataclass(frozen=True)
+class LogitsAdjust:
+    """What a request changes in the target's logits before temperature, top-k and top-p: OpenAI's penalties and
+    bias, vLLM's repetition penalty and min_tokens. Every one depends on the tokens generated before a position, so
+    under speculation each verified position sees the state advanced along the draft tokens before it.
+
+    presence_penalty / frequency_penalty: subtracted once per token that was generated / per time it was generated
+    (OpenAI: counts over the generated tokens, not the prompt); repetition_penalty: a logit of a token seen in the
+    prompt or the output is divided by it when positive and multiplied when negative (the CTRL rule, as Hugging
+    Face and vLLM apply it); logit_bias: (token id, bias) pairs added to the logits; min_tokens: the stop and EOS
+    ids are masked until this many tokens have been generated."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+
+    def __post_init__(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"{name}: {value} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 disables it)")
+        if not 0 < self.repetition_penalty < float("inf"):
+            raise ValueError(f"repetition_penalty: {self.repetition_penalty} must be finite and > 0 (1 disables it)")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens: {self.min_tokens} must be >= 0 (0 disables it)")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias: {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+
+    @property
+    def neutral(self) -> bool:
+        """Nothing to apply: the logits pass through unchanged."""
+        return (self.presence_penalty == 0 and self.frequency_penalty == 0 and self.repetition_penalty == 1
+                and not self.logit_bias and self.min_tokens == 0)

@@ -73,10 +73,25 @@ def openai_server(config: PipelineConfig, engines_dir: Path, triton_grpc: str, s
     from .request_inputs import max_prompt_bytes
 
     s = config.serve
-    target = read_engine(Layout.for_config(config, engines_dir).root, "target")
-    served = ServedModel(config.name, target.max_seq_len, target.max_input_len, max_prompt_bytes(target.max_input_len))
+    root = Layout.for_config(config, engines_dir).root
+    target = read_engine(root, "target")
+    served = ServedModel(config.name, target.max_seq_len, target.max_input_len, max_prompt_bytes(target.max_input_len),
+                         tool_format=served_tool_format(Layout(root).engine_dir("target")))
     return OpenAIServer(served, triton_grpc, sock, guard=guard, request_timeout_s=s.request_timeout_s,
                         max_connections=s.max_connections, read_timeout_s=s.read_timeout_s)
+
+
+def served_tool_format(engine_dir: Path) -> str | None:
+    """How the target's chat template writes tool calls (None: no template, or one without tools)."""
+    from transformers import AutoTokenizer
+
+    from ..chat import chat_tool_format
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(engine_dir)
+    except (OSError, ValueError):  # an engine without a tokenizer serves token ids only
+        return None
+    return chat_tool_format(tokenizer)
 
 
 @dataclass

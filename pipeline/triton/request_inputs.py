@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..chat import Message, encode_chat, end_of_turn_ids, validate_messages
-from ..executor.request_values import MAX_NEW_TOKENS, validate_request
+from ..chat import Message, chat_tool_format, encode_chat, end_of_turn_ids, validate_messages
+from ..executor.request_values import MAX_NEW_TOKENS, validate_controls, validate_request
 from ..errors import short_repr
 from ..executor.results import RequestError
 from ..methods import Method
@@ -34,6 +34,11 @@ MAX_BYTES_PER_TOKEN = 32
 FALLBACK_MAX_INPUT_LEN = 32768
 MAX_CACHE_SALT_BYTES = 256
 MAX_METHOD_BYTES = 32  # longer than any method's name
+MAX_JSON_INPUT_BYTES = 65536  # logit_bias, response_format, tools, tool_choice: each JSON text at most this long
+# The output controls' inputs -> validate_controls's names (the same, but for the JSON ones parsed first).
+CONTROL_INPUTS = {"presence_penalty": "f", "frequency_penalty": "f", "repetition_penalty": "f", "min_tokens": "iu",
+                  "ignore_eos": "b", "logprobs": "iu"}
+JSON_INPUTS = ("logit_bias", "response_format", "tools", "tool_choice")
 # Triton's input names for the request values (the executor's names are the keys).
 TRITON_NAMES = {"max_new_tokens": "max_tokens", "max_draft_len": "num_draft_tokens"}
 
@@ -54,19 +59,27 @@ class GenerateArgs:
     fit_max_tokens: bool = False  # lower max_new_tokens to what the KV pool holds instead of refusing
     cache_salt: str | None = None  # prefix blocks are shared only between requests of the same salt
     method: str | None = None  # speculative_method: the request's drafting method (None: the engine's)
+    controls: dict = field(default_factory=dict)  # output controls given (validate_controls's keywords)
+    tools: list[dict] | None = None  # checked tools to render (None: none, or tool_choice "none")
 
     def executor_kwargs(self) -> dict:
         return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                     top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len,
-                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt, method=self.method)
+                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt, method=self.method,
+                    **self.controls)
 
     def executor_prompt(self, tokenizer, source: str | None = None) -> tuple[str | list[int], list[int]]:
         """(prompt, extra stop ids) for ``executor.new_request``: a chat is encoded through the tokenizer's chat
-        template (message text as plain text) and stops at the end of the assistant's turn; raises RequestError
-        when the model has no chat template."""
+        template (message text as plain text, tools rendered by it) and stops at the end of the assistant's turn;
+        raises RequestError when the model has no chat template, or no tool format for tools."""
         if self.messages is None:
             return self.prompt, []
-        return encode_chat(tokenizer, self.messages, source=source), end_of_turn_ids(tokenizer)
+        if self.tools is not None and chat_tool_format(tokenizer) is None:
+            raise RequestError(f"tools: the chat template of {source or 'this model'} does not render tools, so "
+                               f"this model has no tool-call format; leave tools out, or serve a model whose "
+                               f"template has one (Qwen, Llama 3.1, Mistral, Hermes)")
+        return (encode_chat(tokenizer, self.messages, source=source, tools=self.tools),
+                end_of_turn_ids(tokenizer))
 
 
 def _one(get: GetInput, name: str, kind: str, required: bool = False):
@@ -171,9 +184,44 @@ def parse_request(get: GetInput, engine_draft_len: int, max_input_len: int | Non
             raise RequestError(f"{exc}; a JSON value above {MAX_NEW_TOKENS} arrives wrapped around") from None
         raise
     fit = _one(get, "max_tokens_fit", "b")
+    controls, tools = _controls(get, messages is not None)
     return GenerateArgs(prompt, int(max_tokens), temperature, top_k, top_p,
                         None if seed is None else int(seed), None if k is None else int(k), messages,
-                        fit_max_tokens=bool(fit), cache_salt=_cache_salt(get), method=_method(get))
+                        fit_max_tokens=bool(fit), cache_salt=_cache_salt(get), method=_method(get),
+                        controls=controls, tools=tools)
+
+
+def _json_input(get: GetInput, name: str):
+    """A JSON-text input parsed (None when absent); refused past MAX_JSON_INPUT_BYTES before it is parsed."""
+    text = _short_string(get, name, MAX_JSON_INPUT_BYTES, f"JSON text of at most {MAX_JSON_INPUT_BYTES} bytes")
+    if text is None:
+        return None
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise RequestError(f"{name}: not valid JSON ({str(exc)[:120]})") from None
+
+
+def _controls(get: GetInput, chat: bool) -> tuple[dict, list[dict] | None]:
+    """(the output controls given, as validate_controls's keywords, checked; the tools to render or None)."""
+    from ..tool_calls import validate_tool_choice, validate_tools
+
+    given = {name: _one(get, name, kind) for name, kind in CONTROL_INPUTS.items()}
+    given = {name: value for name, value in given.items() if value is not None}
+    if "logprobs" in given and given["logprobs"] < 0:  # a negative count means "none", as an absent input
+        del given["logprobs"]
+    parsed = {name: _json_input(get, name) for name in JSON_INPUTS}
+    given.update({name: parsed[name] for name in ("logit_bias", "response_format") if parsed[name] is not None})
+    validate_controls(**given)  # early, naming the input; the executor checks again with its vocabulary
+    if parsed["tools"] is None:
+        if parsed["tool_choice"] not in (None, "none", "auto"):
+            raise RequestError("tool_choice: names a tool, but the request sends no tools; send tools too")
+        return given, None
+    if not chat:
+        raise RequestError("tools: only for chats (send messages); a text prompt has no template to render them")
+    tools = validate_tools(parsed["tools"])
+    choice = validate_tool_choice("auto" if parsed["tool_choice"] is None else parsed["tool_choice"], tools)
+    return given, None if choice == "none" else tools
 
 
 def _method(get: GetInput) -> str | None:

@@ -120,3 +120,32 @@ def test_check_build_run_chat_from_the_shipped_config(real_model_dir, real_draft
     assert run.returncode == 0, run.stderr[-2000:]
     assert "Paris" in run.stdout
     assert "<|im_start|>" not in run.stdout  # the reply, not the rendered template
+
+
+ORDER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20}, "rivers": {"type": "array", "items": {"type": "string", "maxLength": 20},
+                                                            "minItems": 1, "maxItems": 3},
+    "country": {"type": "string", "enum": ["France", "Germany", "Italy", "Spain"]}},
+    "required": ["city", "rivers", "country"], "additionalProperties": False}
+
+
+@pytest.mark.slow
+def test_output_controls_under_speculation_equal_speculation_off(real_model_dir, chat_ids):
+    """A JSON schema, penalties, bias and logprobs on the real model: greedy speculative output (n-gram drafts, and
+    the grammar's forced tokens) equals target-only decoding with the same settings, every answer validates, the
+    logprobs agree within 1e-4, and the forced tokens cut the target steps."""
+    import json
+
+    jsonschema = pytest.importorskip("jsonschema")
+    ex = SpeculativeExecutor.from_pretrained(real_model_dir, None, max_draft_len=4, method="ngram")
+    controls = dict(response_format={"type": "json_schema", "json_schema": {"name": "place", "schema": ORDER}},
+                    frequency_penalty=0.3, presence_penalty=0.2, logit_bias={"28": -2.0}, logprobs=2)
+    spec = ex.generate(chat_ids, 64, **controls)
+    plain = ex.generate(chat_ids, 64, max_draft_len=0, **controls)
+    for result, base in zip(spec, plain):
+        assert result.token_ids == base.token_ids and result.finish_reason == "eos"
+        jsonschema.validate(json.loads(result.text), ORDER)
+        assert [round(e.logprob, 4) for e in result.logprobs] == pytest.approx(
+            [round(e.logprob, 4) for e in base.logprobs], abs=2e-4)
+    steps, plain_steps = (sum(r.stats.target_steps for r in results) for results in (spec, plain))
+    assert steps < 0.7 * plain_steps, (steps, plain_steps)

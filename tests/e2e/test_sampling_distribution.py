@@ -132,7 +132,7 @@ def tv_bound(probs: torch.Tensor, samples: int) -> float:
 
 # ---- sampling through the public API ---------------------------------------------------------------------------------
 
-def sample(executor, k: int, **sampling):
+def sample(executor, k: int, **sampling):  # sampling: generate()'s keywords (output controls included)
     """Per prompt: the empirical joint of the first three tokens [len(PROMPTS), V, V, V] and the share of requests
     whose first step kept all K draft tokens [len(PROMPTS)]; plus every result's stats.
 
@@ -206,6 +206,46 @@ def check_first_tokens(target, draft, case, acceptance, k, sampling):
         assert abs(all_kept[row].item() - want) < bound, \
             (f"{case}, prompt {prompt}: the first step kept all {k} draft tokens in {all_kept[row].item():.3f} of "
              f"requests; the models give {want:.3f} (bound {bound:.3f})")
+
+
+PENALTIES = dict(presence_penalty=0.6, frequency_penalty=1.2, logit_bias={"3": 1.5})
+
+
+@torch.no_grad()
+def penalized_conditionals(model, prompt: list[int], temperature: float, top_k: int, top_p: float):
+    """exact_conditionals with OpenAI's penalties over the generated tokens before each position (none before x1,
+    x1 before x2, x1 and x2 before x3) and PENALTIES' bias, then the warpers."""
+    n = len(prompt)
+    first, second = torch.meshgrid(torch.arange(VOCAB), torch.arange(VOCAB), indexing="ij")
+    x1, x2 = first.reshape(-1), second.reshape(-1)
+    seqs = torch.cat([torch.tensor(prompt).expand(VOCAB * VOCAB, n), x1[:, None], x2[:, None]], dim=1)
+    logits = model(seqs).logits[:, n - 1:].float()  # [V*V, 3, V]
+    one_hot = torch.nn.functional.one_hot
+    counts = torch.stack([torch.zeros(VOCAB * VOCAB, VOCAB), one_hot(x1, VOCAB).float(),
+                          (one_hot(x1, VOCAB) + one_hot(x2, VOCAB)).float()], dim=1)  # [V*V, 3, V]
+    logits = logits - PENALTIES["frequency_penalty"] * counts - PENALTIES["presence_penalty"] * (counts > 0).float()
+    for token, bias in PENALTIES["logit_bias"].items():
+        logits[..., int(token)] += bias
+    probs = warp(logits.reshape(-1, VOCAB), temperature, top_k, top_p).view(VOCAB, VOCAB, 3, VOCAB)
+    return probs[0, 0, 0], probs[:, 0, 1], probs[:, :, 2]
+
+
+def test_penalized_tokens_follow_the_penalized_joint(target, draft):
+    """With penalties and bias, position j of a step is judged after the draft tokens before it: the joint of the
+    first three tokens is plain decoding's under the same settings (the draft's proposals adjusted alike)."""
+    sampling = dict(temperature=0.9, top_k=0, top_p=1.0)
+    empirical, _, stats = sample(executor_for(target, draft, 2), 2, **sampling, **PENALTIES)
+    assert all(len(s.drafted_at) == 2 and s.drafted_at[1] == 1 for s in stats)
+    for row, prompt in enumerate(PROMPTS):
+        exact = joint_of(penalized_conditionals(target, prompt, **sampling))
+        # The check tells the penalized joint from the unpenalized one.
+        assert total_variation(joint_of(exact_conditionals(target, prompt, **sampling)), exact) > \
+            2 * tv_bound(exact, SAMPLES)
+        for level, dims in enumerate([(1, 2), (2,), ()], 1):
+            got_level = empirical[row].sum(dims) if dims else empirical[row]
+            exact_level = exact.sum(dims) if dims else exact
+            tv, bound = total_variation(got_level, exact_level), tv_bound(exact_level, SAMPLES)
+            assert tv < bound, f"prompt {prompt}: tokens 1..{level} are {tv:.3f} from the joint (bound {bound:.3f})"
 
 
 @pytest.mark.parametrize("sampling", [dict(temperature=0.5), dict(temperature=1.7, top_k=5, top_p=0.9)])

@@ -55,10 +55,11 @@ def test_an_error_after_the_first_event_goes_in_band_then_done():
             raise ApiError(500, "internal error: RuntimeError: the step failed")
 
     async def events() -> list[bytes]:
-        generation = Generation(FailingTriton(), GenerationRequest(chat=True, inputs={}))
+        parsed = GenerationRequest(chat=True, inputs={}, include_usage=True)
+        generation = Generation(FailingTriton(), parsed)
         await generation.start()
         reply = Reply.new(chat=True, model="m")
-        return [event async for event in _events(generation, reply, include_usage=True, ends=Ends(60, asyncio.Event()))]
+        return [event async for event in _events([generation], reply, parsed, ends=Ends(60, asyncio.Event()))]
 
     sent = asyncio.run(events())
     assert b'"role":"assistant"' in sent[0] and b'"content":"def"' in sent[1]

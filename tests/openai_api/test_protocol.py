@@ -3,6 +3,8 @@ model) whose message starts with the field it names, without a server."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 
 import pytest
@@ -71,31 +73,79 @@ def test_a_completion_needs_a_prompt_and_a_chat_needs_messages():
     assert refused(parse_chat, {"max_tokens": 3}).param == "messages"
 
 
-@pytest.mark.parametrize("field, value", [
-    ("n", 2), ("n", True), ("best_of", 3), ("echo", True), ("suffix", "}"), ("logprobs", 1), ("logprobs", 0),
-    ("presence_penalty", 0.5), ("frequency_penalty", -1), ("logit_bias", {"50256": -100}),
-])
+@pytest.mark.parametrize("field, value", [("best_of", 3), ("echo", True), ("suffix", "}")])
 def test_completion_fields_that_would_change_the_output_are_refused(field, value):
     error = refused(parse_completion, {"prompt": "x", field: value})
     assert error.param == field and error.code == "unsupported_parameter"
     assert "not supported" in error.message and ("leave it" in error.message or "instead" in error.message
-                                                 or "yourself" in error.message)
+                                                 or "yourself" in error.message or "use n" in error.message)
 
 
 @pytest.mark.parametrize("field, value", [
-    ("n", 2), ("logprobs", True), ("top_logprobs", 2), ("tools", [{"type": "function"}]), ("tool_choice", "auto"),
-    ("response_format", {"type": "json_object"}), ("modalities", ["text", "audio"]), ("prediction", {"x": 1}),
+    ("modalities", ["text", "audio"]), ("prediction", {"x": 1}), ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
 ])
 def test_chat_fields_that_would_change_the_output_are_refused(field, value):
     error = refused(parse_chat, {"messages": HELLO, field: value})
     assert error.param == field and error.code == "unsupported_parameter"
 
 
+def test_output_controls_become_the_models_inputs():
+    body = {"prompt": "x", "n": 3, "seed": 2**64 - 2, "logprobs": 2, "presence_penalty": 0.5, "frequency_penalty": -1,
+            "repetition_penalty": 1.2, "logit_bias": {"50256": -100}, "min_tokens": 3, "ignore_eos": True,
+            "response_format": {"type": "json_object"}}
+    parsed = parse_completion(body, SERVED)
+    assert parsed.n == 3 and parsed.logprobs and parsed.tool_format is None
+    inputs = parsed.inputs
+    assert (inputs["presence_penalty"], inputs["frequency_penalty"], inputs["repetition_penalty"]) == (0.5, -1.0, 1.2)
+    assert (inputs["logprobs"], inputs["min_tokens"], inputs["ignore_eos"]) == (2, 3, True)
+    assert json.loads(inputs["logit_bias"]) == {"50256": -100}
+    assert json.loads(inputs["response_format"]) == {"type": "json_object"}
+    # each choice its own seed, so one seed reproduces all n and they differ
+    assert [parsed.choice_inputs(i)["seed"] for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    plain = parse_completion({"prompt": "x", "n": 2}, SERVED)
+    assert "seed" not in plain.choice_inputs(1) and "logprobs" not in plain.inputs and not plain.logprobs
+
+
+def test_chat_logprobs_and_tools():
+    assert parse_chat({"messages": HELLO, "logprobs": True, "top_logprobs": 4}, SERVED).inputs["logprobs"] == 4
+    assert parse_chat({"messages": HELLO, "logprobs": True}, SERVED).inputs["logprobs"] == 0
+    assert "logprobs" not in parse_chat({"messages": HELLO, "logprobs": False}, SERVED).inputs
+    assert refused(parse_chat, {"messages": HELLO, "top_logprobs": 2}).param == "top_logprobs"
+    assert refused(parse_chat, {"messages": HELLO, "logprobs": 1}).param == "logprobs"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    error = refused(parse_chat, {"messages": HELLO, "tools": tools})  # SERVED's template has no tool format
+    assert error.param == "tools" and "does not render tools" in error.message
+    hermes = dataclasses.replace(SERVED, tool_format="hermes")
+    parsed = parse_chat({"messages": HELLO, "tools": tools, "tool_choice": "auto"}, hermes)
+    assert json.loads(parsed.inputs["tools"]) == tools and parsed.tool_format == "hermes"
+    assert parse_chat({"messages": HELLO, "tools": tools, "tool_choice": "none"}, hermes).tool_format is None
+    assert refused(parse_chat, {"messages": HELLO, "tool_choice": "required"}).param == "tool_choice"
+    # an agent loop sends back the calls and their results; the model checks them
+    calls = [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]
+    loop = [*HELLO, {"role": "assistant", "content": None, "tool_calls": calls},
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    sent = json.loads(parse_chat({"messages": loop, "tools": tools}, hermes).inputs["messages"])
+    assert sent[1]["tool_calls"] == calls and sent[2]["tool_call_id"] == "call_1"
+
+
+@pytest.mark.parametrize("parse, field, value", [
+    ("completion", "n", 0), ("completion", "n", 17), ("completion", "n", True), ("completion", "logprobs", 6),
+    ("completion", "logit_bias", [1]), ("chat", "response_format", "json"), ("chat", "ignore_eos", "yes"),
+    ("chat", "min_tokens", -1), ("chat", "presence_penalty", "high"),
+])
+def test_output_controls_of_the_wrong_type_are_refused(parse, field, value):
+    body = {"prompt": "x"} if parse == "completion" else {"messages": HELLO}
+    assert refused(parse_completion if parse == "completion" else parse_chat, {**body, field: value}).param == field
+
+
 def test_neutral_values_of_unsupported_fields_pass():
     parse_completion({"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "presence_penalty": 0,
                       "frequency_penalty": 0.0, "logit_bias": {}, "suffix": ""}, SERVED)
-    parse_chat({"messages": HELLO, "n": 1, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none",
-                "response_format": {"type": "text"}, "parallel_tool_calls": True, "store": False}, SERVED)
+    parsed = parse_chat({"messages": HELLO, "n": 1, "logprobs": False, "top_logprobs": None, "tools": [],
+                         "tool_choice": "none", "response_format": {"type": "text"}, "parallel_tool_calls": True,
+                         "store": False}, SERVED)
+    assert "response_format" not in parsed.inputs and "tools" not in parsed.inputs
 
 
 def test_unknown_and_wrong_endpoint_fields_are_refused_by_name():
@@ -189,8 +239,8 @@ def test_chat_messages_become_the_models_messages_input():
     (["hello"], "messages[0]: 'hello' is not an object"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      "messages[0].content[0]: 'image_url' is not supported"),
-    ([{"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]}],
-     "messages[0].tool_calls: not supported (tool calling"),
+    ([{"role": "assistant", "content": None, "function_call": {"name": "f"}}],
+     "messages[0].function_call: not supported (send tools and tool_choice instead"),
     ([{"role": "user", "content": "x", "weight": 2}], "messages[0].weight: not supported"),
 ])
 def test_bad_messages(messages, words):

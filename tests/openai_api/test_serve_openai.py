@@ -237,14 +237,17 @@ def test_a_client_that_goes_away_cancels_its_engine_request(serving, client):
 
 @pytest.mark.server
 @pytest.mark.parametrize("extra, param, words", [
-    ({"n": 2}, "n", "n: 2 is not supported"),
-    ({"logprobs": 1}, "logprobs", "logprobs: 1 is not supported"),
+    ({"n": 17}, "n", "n: 17 must be an integer in [1, 16]"),
+    ({"logprobs": 6}, "logprobs", "logprobs: 6 must be an integer in [0, 5]"),
+    ({"presence_penalty": 3}, "presence_penalty", "presence_penalty: 3.0 must be a number in [-2, 2]"),  # the model's
+    ({"extra_body": {"response_format": {"type": "json_schema"}}}, "response_format", "response_format"),
     ({"temperature": -1}, "temperature", "temperature: -1.0 must be a finite number >= 0"),  # the model's check
     ({"temperature": -1, "stream": True}, "temperature", "temperature: -1.0 must be"),  # before the stream opens
     ({"extra_body": {"num_draft_tokens": 9}}, "num_draft_tokens", "larger than the 4 the target engine was built"),
     ({"max_tokens": 600}, "max_tokens", "exceeds max_seq_len 512"),
     ({"prompt": ["a", "b"]}, "prompt", "2 prompts in one request"),
-], ids=["n", "logprobs", "temperature", "temperature-stream", "draft-len", "too-long", "two-prompts"])
+], ids=["n", "logprobs", "penalty", "format", "temperature", "temperature-stream", "draft-len", "too-long",
+        "two-prompts"])
 def test_bad_completion_requests_are_400s_naming_the_field(client, extra, param, words):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(**{"model": MODEL, "prompt": PROMPT, **extra})
@@ -254,13 +257,143 @@ def test_bad_completion_requests_are_400s_naming_the_field(client, extra, param,
 
 @pytest.mark.server
 @pytest.mark.parametrize("extra, words", [
-    ({"logprobs": True}, "logprobs: True is not supported"),
+    ({"top_logprobs": 2}, "top_logprobs: only with logprobs: true"),
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages: message 0 role 'robot' is not one of"),
 ], ids=["logprobs", "role"])
 def test_bad_chat_requests_are_400s_naming_the_field(client, extra, words):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(**{"model": MODEL, "messages": CHAT, **extra})
     assert words in info.value.body["message"]
+
+
+def off(**extra) -> dict:
+    """extra_body with speculation off (target-only decoding on the same engine)."""
+    return {**extra, "num_draft_tokens": 0}
+
+
+@pytest.mark.server
+def test_logprobs_are_the_same_with_speculation_off_and_streamed(client):
+    spec = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
+                                     extra_body={"num_draft_tokens": 4})
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
+                                      extra_body=off())
+    got, want = spec.choices[0].logprobs, plain.choices[0].logprobs
+    assert spec.choices[0].text == plain.choices[0].text and "".join(got.tokens) == spec.choices[0].text
+    assert len(got.tokens) == spec.usage.completion_tokens == 16 and got.tokens == want.tokens
+    assert got.token_logprobs == pytest.approx(want.token_logprobs, abs=1e-4) and max(got.token_logprobs) <= 0
+    assert all(len(top) == 2 for top in got.top_logprobs) and got.text_offset[0] == 0
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
+                                              stream=True, extra_body={"num_draft_tokens": 4}))
+    tokens = [t for chunk in streamed if chunk.choices[0].logprobs for t in chunk.choices[0].logprobs.tokens]
+    assert tokens == got.tokens
+
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10, temperature=0,
+                                          logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content and len(content) == 10
+    assert all(len(entry.top_logprobs) == 3 and entry.top_logprobs[0].logprob >= entry.logprob - 1e-6
+               for entry in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=10,
+                                                 temperature=0, logprobs=True, top_logprobs=3, stream=True))
+    streamed = [entry for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                for entry in chunk.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
+
+
+@pytest.mark.server
+def test_penalties_bias_and_min_tokens_equal_speculation_off(serving, client):
+    _, ports = serving
+    controls = {"presence_penalty": 0.7, "frequency_penalty": 0.9, "logit_bias": {"17": 3.0, "5": -100}}
+    extra = {"repetition_penalty": 1.3, "min_tokens": 20}
+    spec = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **controls,
+                                     extra_body=extra)
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, **controls,
+                                      extra_body=off(**extra))
+    bare = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0)
+    assert spec.choices[0].text == plain.choices[0].text != bare.choices[0].text
+    assert spec.model_extra["speculative"]["draft_tokens"] > 0  # speculation was on
+    theirs = triton_generate(ports, text_input=PROMPT, max_tokens=24, temperature=0.0, presence_penalty=0.7,
+                             frequency_penalty=0.9, logit_bias=json.dumps(controls["logit_bias"]), **extra)
+    assert theirs["text_output"] == spec.choices[0].text  # the same inputs through Triton's own model
+
+
+@pytest.mark.server
+def test_n_choices_share_a_seed_and_stream_by_index(client):
+    sampled = {"max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3}
+    first = client.completions.create(model=MODEL, prompt=PROMPT, **sampled)
+    again = client.completions.create(model=MODEL, prompt=PROMPT, **sampled)
+    texts = [choice.text for choice in first.choices]
+    assert [c.index for c in first.choices] == [0, 1, 2] and texts == [c.text for c in again.choices]
+    assert len(set(texts)) > 1 and first.usage.completion_tokens == 36
+    # choice 0 is the request with that seed alone
+    assert client.completions.create(model=MODEL, prompt=PROMPT, **{**sampled, "n": 1}).choices[0].text == texts[0]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, stream=True, **sampled))
+    by_index = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert by_index == texts
+    chat = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=6, n=2, temperature=0)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+ASK = [{"role": "user", "content": "Paris?"}]  # short: the tiny engines take 256 prompt tokens, the tool's JSON many
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "enum": ["ada", "grace"]},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_json_schema_answer_validates_and_forced_tokens_are_free_drafts(client, stream):
+    jsonschema = pytest.importorskip("jsonschema")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    texts = []
+    for seed in range(3):
+        answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=48, temperature=0.8,
+                                                seed=seed, response_format=fmt, stream=stream)
+        if stream:
+            chunks = list(answer)
+            texts.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+            assert chunks[-1].choices[0].finish_reason == "stop"
+        else:
+            texts.append(answer.choices[0].message.content)
+            assert answer.choices[0].finish_reason == "stop"  # the grammar ended the turn
+            # the keys and punctuation the schema fixes were drafted by the grammar and accepted
+            assert answer.model_extra["speculative"]["accepted_tokens"] > 0
+    for text in texts:
+        jsonschema.validate(json.loads(text), PERSON)
+    greedy = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=48, temperature=0,
+                                            response_format=fmt)
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=48, temperature=0,
+                                           response_format=fmt, extra_body=off())
+    assert greedy.choices[0].message.content == plain.choices[0].message.content
+    assert greedy.model_extra["speculative"]["target_steps"] < plain.model_extra["speculative"]["target_steps"]
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_calls_are_parsed_and_an_agent_loop_continues(client, stream):
+    # The tiny model never calls a tool by itself: a regex format makes it write one, in the template's format.
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    force = {"response_format": {"type": "regex", "regex": re.escape(call)}}
+    answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_completion_tokens=64,
+                                            temperature=0, stream=stream, extra_body=force)
+    if stream:
+        chunks = list(answer)
+        deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or []]
+        assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+        assert json.loads("".join(d.function.arguments or "" for d in deltas)) == {"city": "Paris"}
+        assert not any(c.choices[0].delta.content for c in chunks if c.choices)  # no marker leaked as content
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        return
+    choice = answer.choices[0]
+    (tool_call,) = choice.message.tool_calls
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert tool_call.function.name == "get_weather" and json.loads(tool_call.function.arguments) == {"city": "Paris"}
+    loop = [*ASK, choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": tool_call.id, "content": "18 C, sunny"}]
+    after = client.chat.completions.create(model=MODEL, messages=loop, tools=[WEATHER], max_completion_tokens=4,
+                                           temperature=0)
+    assert after.usage.prompt_tokens > answer.usage.prompt_tokens and after.choices[0].finish_reason == "length"
 
 
 @pytest.mark.server

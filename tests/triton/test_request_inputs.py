@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -362,3 +363,34 @@ def test_speculative_method_reaches_the_executor():
         request(speculative_method=np.array([[b"fastest"]], dtype=np.object_))
     with pytest.raises(RequestError, match="speculative_method: expected one string"):
         request(speculative_method=np.array([[b"ngram", b"suffix"]], dtype=np.object_))
+
+
+def test_output_controls_and_tools_reach_the_executor():
+    def text(value: str):
+        return np.array([[value.encode()]], dtype=np.object_)
+
+    def request(chat: bool = False, **extra):
+        prompt = {"messages": text('[{"role": "user", "content": "hi"}]')} if chat else {"text_input": text("hi")}
+        return parse_request({**prompt, "max_tokens": np.array([[8]], np.int32), **extra}.get, K_LIMIT, 64)
+
+    args = request(presence_penalty=np.array([[0.5]], np.float32), frequency_penalty=np.array([[-1.0]], np.float32),
+                   repetition_penalty=np.array([[1.25]], np.float32), min_tokens=np.array([[3]], np.int32),
+                   ignore_eos=np.array([[True]]), logprobs=np.array([[2]], np.int32),
+                   logit_bias=text('{"7": -100}'), response_format=text('{"type": "json_object"}'))
+    kwargs = args.executor_kwargs()
+    assert (kwargs["presence_penalty"], kwargs["frequency_penalty"], kwargs["repetition_penalty"]) == (0.5, -1.0, 1.25)
+    assert (kwargs["min_tokens"], kwargs["ignore_eos"], kwargs["logprobs"]) == (3, True, 2)
+    assert kwargs["logit_bias"] == {"7": -100} and kwargs["response_format"] == {"type": "json_object"}
+    assert "logprobs" not in request(logprobs=np.array([[-1]], np.int32)).executor_kwargs()  # negative: none
+    tools = '[{"type": "function", "function": {"name": "get_weather"}}]'
+    assert request(chat=True, tools=text(tools)).tools[0]["function"]["name"] == "get_weather"
+    assert request(chat=True, tools=text(tools), tool_choice=text('"none"')).tools is None
+    for extra, words in [(dict(presence_penalty=np.array([[2.5]], np.float32)), "presence_penalty: 2.5 must be"),
+                         (dict(logit_bias=text("{not json")), "logit_bias: not valid JSON"),
+                         (dict(logit_bias=text('{"x": 1}')), "logit_bias: key 'x' is not a token id"),
+                         (dict(logprobs=np.array([[21]], np.int32)), "logprobs: 21 must be an integer in [0, 20]"),
+                         (dict(tools=text(tools)), "tools: only for chats"),
+                         (dict(tool_choice=text('"required"')), "tool_choice: names a tool, but the request sends no"),
+                         (dict(response_format=text("x" * 70000)), "response_format: 70000 bytes")]:
+        with pytest.raises(RequestError, match=re.escape(words)):
+            request(**extra)

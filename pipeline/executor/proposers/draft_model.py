@@ -8,6 +8,7 @@ import torch
 
 from ...methods import Method
 from ...speculative import logits_to_probs, sample
+from ..row_logits import adjusted, adjusts
 from ..step_batch import StepBatch
 from .base import Proposer, ProposerContext
 
@@ -43,10 +44,13 @@ class DraftModelProposer(Proposer):
             greedy = logits.argmax(-1)  # [active]
             for i, row in enumerate(active):
                 request = batch.requests[row]
+                # The request's penalties, bias and grammar along the draft's own chain, as the verify applies them.
+                row_logits = adjusted(request, logits[i][None], [tokens[row]]) if adjusts(request) else None
                 if request.params.greedy:
-                    tokens[row].append(int(greedy[i]))
+                    tokens[row].append(int(greedy[i]) if row_logits is None else int(row_logits.argmax()))
                 else:
-                    row_probs = logits_to_probs(logits[i][None], request.params)  # [1, V]
+                    row_logits = logits[i][None] if row_logits is None else row_logits  # [1, V]
+                    row_probs = logits_to_probs(row_logits, request.params)  # [1, V]
                     tokens[row].append(int(sample(row_probs, request.generator)))
                     probs[row].append(row_probs)
             # One draft position costs its forward plus the per-row sampling around it: record both.

@@ -66,7 +66,7 @@ CANCEL_INPUT = "cancel_request"  # a request holding only this cancels the engin
 FINAL_ONLY_INPUT = "final_only"  # set by the proxy: one response at the end instead of one per step
 PROXY_POLL_S = 0.02  # how often a proxy waiting for its answer checks whether its client went away
 OUTPUT_NAMES = ["text_output", "output_ids", "finish_reason", "prompt_tokens", "draft_tokens", "accepted_tokens",
-                "target_steps", "acceptance_rate", "mean_accepted_len"]
+                "target_steps", "acceptance_rate", "mean_accepted_len", "logprobs"]
 
 
 def _utf8_locale() -> None:
@@ -117,10 +117,10 @@ class TritonPythonModel:
         from pipeline.executor import RequestError, open_executor
         from pipeline.methods import NgramSettings, SuffixSettings
         from pipeline.executor.serving_loop import ServingLoop
+        from pipeline.triton.logprob_outputs import logprobs_json
         from pipeline.triton.request_inputs import parse_request
 
-        self.RequestError = RequestError
-        self.parse_request = parse_request
+        self.RequestError, self.parse_request, self.logprobs_json = RequestError, parse_request, logprobs_json
         self.executor = open_executor(
             params["engines_dir"], device=params.get("device") or None,
             adaptive_draft_len=params.get("adaptive_draft_len", "true") == "true",
@@ -207,10 +207,12 @@ class TritonPythonModel:
                 return
             if final_only:  # the whole answer in one response
                 text, ids = self.executor.decode(spec_request.generated), spec_request.generated
+                logprobs = spec_request.token_logprobs if spec_request.logprobs is not None else None
             else:
-                text, ids = event.text, event.token_ids
+                text, ids, logprobs = event.text, event.token_ids, event.logprobs
             response = pb_utils.InferenceResponse(output_tensors=_tensors(
-                text, ids, event.finish_reason or "", prompt_tokens, event.stats))
+                text, ids, event.finish_reason or "", prompt_tokens, event.stats,
+                self.logprobs_json(logprobs, self.executor.tokenizer)))
             self.outbox.put((sender, response, final if event.finished else 0))
 
         self.loop.submit(spec_request, on_event, is_cancelled=sender.is_cancelled,
@@ -255,7 +257,7 @@ class TritonPythonModel:
                 error = pb_utils.TritonError("request cancelled by the client",
                                              getattr(pb_utils.TritonError, "CANCELLED", None))
                 return pb_utils.InferenceResponse(output_tensors=[], error=error)
-        text, ids, last = [], [], None
+        text, ids, logprobs, last = [], [], [], None
         for response in answers:
             if response.has_error():
                 return self._count_error(pb_utils.InferenceResponse(output_tensors=[], error=response.error()))
@@ -264,6 +266,8 @@ class TritonPythonModel:
                 continue
             text.append(outputs["text_output"].as_numpy().reshape(-1)[0])
             ids.extend(outputs["output_ids"].as_numpy().reshape(-1).tolist())
+            entries = outputs["logprobs"].as_numpy().reshape(-1)[0] if outputs["logprobs"] is not None else b""
+            logprobs.append(entries)
             last = outputs
         if last is None:
             error = pb_utils.TritonError("internal error: the engine model returned no response")
@@ -276,8 +280,9 @@ class TritonPythonModel:
             if totals[field]:
                 metric.increment(totals[field])
         merged = [pb_utils.Tensor("text_output", np.array([[b"".join(text)]], dtype=np.object_)),
-                  pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32).reshape(1, -1))]
-        merged += [pb_utils.Tensor(name, last[name].as_numpy()) for name in OUTPUT_NAMES[2:]]
+                  pb_utils.Tensor("output_ids", np.array([ids], dtype=np.int32).reshape(1, -1)),
+                  pb_utils.Tensor("logprobs", np.array([[merge_logprobs(logprobs)]], dtype=np.object_))]
+        merged += [pb_utils.Tensor(name, last[name].as_numpy()) for name in OUTPUT_NAMES[2:-1]]
         return pb_utils.InferenceResponse(output_tensors=merged)
 
     def _cancel_forward(self, key):
@@ -347,7 +352,13 @@ def _string_input(request, name):
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
 
 
-def _tensors(text, token_ids, finish_reason, prompt_tokens, stats):
+def merge_logprobs(parts):
+    """The logprobs outputs of a request's steps (JSON lists, or empty) -> one JSON list, or b"" when none had any."""
+    lists = [json.loads(part) for part in parts if part]
+    return json.dumps([entry for entries in lists for entry in entries], ensure_ascii=False).encode() if lists else b""
+
+
+def _tensors(text, token_ids, finish_reason, prompt_tokens, stats, logprobs=b""):
     """Output tensors for one response: batch dimension 1 on every output (max_batch_size > 0)."""
 
     def scalar(name, value, dtype):
@@ -363,4 +374,5 @@ def _tensors(text, token_ids, finish_reason, prompt_tokens, stats):
         scalar("target_steps", stats.target_steps, np.int32),
         scalar("acceptance_rate", stats.acceptance_rate, np.float32),
         scalar("mean_accepted_len", stats.mean_accepted_len, np.float32),
+        pb_utils.Tensor("logprobs", np.array([[logprobs]], dtype=np.object_)),
     ]
