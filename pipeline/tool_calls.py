@@ -177,6 +177,40 @@ def validate_tool_choice(value: object, tools: list[dict]) -> str | dict:
     return {"type": "function", "function": {"name": function["name"]}}
 
 
+# The formats whose calls are plain text around one JSON object (a Mistral call opens with a special token, which a
+# text grammar cannot write): the text before and after the object, and the key holding the arguments.
+CALL_LAYOUTS = {"hermes": ("<tool_call>\n", "\n</tool_call>", "arguments"), "llama3_json": ("", "", "parameters")}
+# JSON laid out as json.dumps writes it (pipeline/speculative/grammar.py's JSON_LAYOUT, as llguidance options).
+CALL_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def forced_call_format(tools: list[dict], tool_choice: str | dict, fmt: str | None) -> dict | None:
+    """A response_format (a Lark grammar) under which the answer is one call, in ``fmt``, of a tool ``tool_choice``
+    allows: any of ``tools`` for "required", the named one for a named choice; its arguments follow the tool's
+    parameters schema. None where nothing is forced ("auto", "none") or ``fmt`` cannot be written as text."""
+    if tool_choice in ("auto", "none") or fmt not in CALL_LAYOUTS:
+        return None
+    before, after, key = CALL_LAYOUTS[fmt]
+    named = None if tool_choice == "required" else tool_choice["function"]["name"]
+    calls = [{"type": "object", "properties": {"name": {"const": tool["function"]["name"]},
+                                               key: _closed(tool["function"].get("parameters"))},
+              "required": ["name", key], "additionalProperties": False}
+             for tool in tools if named in (None, tool["function"]["name"])]
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": CALL_JSON_LAYOUT}
+    parts = [json.dumps(text) for text in (before, after) if text]
+    body = " ".join([parts[0], "call", parts[1]] if parts else ["call"])
+    return {"type": "grammar", "grammar": f"start: {body}\ncall: %json {json.dumps(schema)}\n"}
+
+
+def _closed(parameters: dict | None) -> dict:
+    """A forced call's arguments schema: the tool's, holding only its declared properties unless it says otherwise
+    (as OpenAI's strict mode requires; an open object lets a model write keys until its token limit)."""
+    schema = dict(parameters or {"type": "object"})
+    if schema.get("type") == "object":
+        schema.setdefault("additionalProperties", False)
+    return schema
+
+
 def _call(obj: object, args_key: str) -> tuple[str, str] | None:
     """(name, arguments JSON text) of a decoded call object, or None when it is not one."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:

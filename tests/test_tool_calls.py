@@ -187,3 +187,40 @@ def test_tool_choice():
                           ({"type": "function", "name": "get_weather"}, "is not a tool choice")]:
         with pytest.raises(RequestError, match=f"^tool_choice.*{words}"):
             validate_tool_choice(choice, [] if choice == "required" else tools)
+
+
+def test_a_required_call_is_a_grammar_of_the_allowed_tools(tiny_pair):
+    """tool_choice "required" or a named tool becomes a response_format whose only answers are one call in the
+    template's format: the matcher takes a valid call token by token, refuses another tool's name, and the parser
+    reads the call back."""
+    from transformers import AutoTokenizer
+
+    from pipeline.speculative.grammar import GrammarCompiler, grammar_from_response_format
+    from pipeline.tool_calls import forced_call_format
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                 "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                 "additionalProperties": False}}},
+             {"type": "function", "function": {"name": "get_time"}}]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair / "target")
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    weather = '{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+    for choice, fmt, text, fits in [
+        ("required", "hermes", f"<tool_call>\n{weather}\n</tool_call>", True),
+        ({"type": "function", "function": {"name": "get_weather"}}, "hermes", f"<tool_call>\n{weather}\n</tool_call>",
+         True),
+        ({"type": "function", "function": {"name": "get_time"}}, "hermes", f"<tool_call>\n{weather}\n</tool_call>",
+         False),
+        ("required", "llama3_json", '{"name": "get_time", "parameters": {}}', True),
+        ("required", "hermes", "It is sunny.", False),
+    ]:
+        matcher = compiler.matcher(grammar_from_response_format(forced_call_format(tools, choice, fmt)))
+        ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows = matcher.allowed_along(ids[:-1])
+        accepted = all(bool(rows[i, token]) for i, token in enumerate(ids))
+        assert accepted == fits, (choice, fmt, text)
+        if fits:
+            content, (call,) = parse_tool_calls(text, fmt)
+            assert content is None and call.name in ("get_weather", "get_time")
+    assert forced_call_format(tools, "auto", "hermes") is None and forced_call_format(tools, "required", "mistral") \
+        is None

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..chat import Message, chat_tool_format, encode_chat, end_of_turn_ids, validate_messages
+from ..tool_calls import forced_call_format, validate_tool_choice, validate_tools
 from ..executor.request_values import MAX_NEW_TOKENS, validate_controls, validate_request
 from ..errors import short_repr
 from ..executor.results import RequestError
@@ -61,12 +62,19 @@ class GenerateArgs:
     method: str | None = None  # speculative_method: the request's drafting method (None: the engine's)
     controls: dict = field(default_factory=dict)  # output controls given (validate_controls's keywords)
     tools: list[dict] | None = None  # checked tools to render (None: none, or tool_choice "none")
+    tool_choice: str | dict = "none"  # checked: "auto", "required" or a named function (with tools)
 
-    def executor_kwargs(self) -> dict:
+    def executor_kwargs(self, tokenizer=None) -> dict:
+        """``executor.new_request``'s keywords; with ``tokenizer`` a tool_choice that requires a call becomes the
+        response_format of one call in the chat template's tool format (where it writes calls as text)."""
+        controls = dict(self.controls)
+        if self.tools is not None and tokenizer is not None:
+            forced = forced_call_format(self.tools, self.tool_choice, chat_tool_format(tokenizer))
+            if forced is not None:
+                controls["response_format"] = forced
         return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                     top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len,
-                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt, method=self.method,
-                    **self.controls)
+                    fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt, method=self.method, **controls)
 
     def executor_prompt(self, tokenizer, source: str | None = None) -> tuple[str | list[int], list[int]]:
         """(prompt, extra stop ids) for ``executor.new_request``: a chat is encoded through the tokenizer's chat
@@ -184,11 +192,11 @@ def parse_request(get: GetInput, engine_draft_len: int, max_input_len: int | Non
             raise RequestError(f"{exc}; a JSON value above {MAX_NEW_TOKENS} arrives wrapped around") from None
         raise
     fit = _one(get, "max_tokens_fit", "b")
-    controls, tools = _controls(get, messages is not None)
+    controls, tools, choice = _controls(get, messages is not None)
     return GenerateArgs(prompt, int(max_tokens), temperature, top_k, top_p,
                         None if seed is None else int(seed), None if k is None else int(k), messages,
                         fit_max_tokens=bool(fit), cache_salt=_cache_salt(get), method=_method(get),
-                        controls=controls, tools=tools)
+                        controls=controls, tools=tools, tool_choice=choice)
 
 
 def _json_input(get: GetInput, name: str):
@@ -202,10 +210,9 @@ def _json_input(get: GetInput, name: str):
         raise RequestError(f"{name}: not valid JSON ({str(exc)[:120]})") from None
 
 
-def _controls(get: GetInput, chat: bool) -> tuple[dict, list[dict] | None]:
-    """(the output controls given, as validate_controls's keywords, checked; the tools to render or None)."""
-    from ..tool_calls import validate_tool_choice, validate_tools
-
+def _controls(get: GetInput, chat: bool) -> tuple[dict, list[dict] | None, str | dict]:
+    """(the output controls given, as validate_controls's keywords, checked; the tools to render or None; the
+    checked tool_choice)."""
     given = {name: _one(get, name, kind) for name, kind in CONTROL_INPUTS.items()}
     given = {name: value for name, value in given.items() if value is not None}
     if "logprobs" in given and given["logprobs"] < 0:  # a negative count means "none", as an absent input
@@ -216,12 +223,14 @@ def _controls(get: GetInput, chat: bool) -> tuple[dict, list[dict] | None]:
     if parsed["tools"] is None:
         if parsed["tool_choice"] not in (None, "none", "auto"):
             raise RequestError("tool_choice: names a tool, but the request sends no tools; send tools too")
-        return given, None
+        return given, None, "none"
     if not chat:
         raise RequestError("tools: only for chats (send messages); a text prompt has no template to render them")
     tools = validate_tools(parsed["tools"])
     choice = validate_tool_choice("auto" if parsed["tool_choice"] is None else parsed["tool_choice"], tools)
-    return given, None if choice == "none" else tools
+    if choice not in ("auto", "none") and "response_format" in given:
+        raise RequestError("tool_choice: a required call is its own format; send it or response_format, not both")
+    return given, None if choice == "none" else tools, choice
 
 
 def _method(get: GetInput) -> str | None:

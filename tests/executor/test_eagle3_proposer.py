@@ -255,3 +255,17 @@ def test_a_request_that_never_drafts_gives_the_heads_nothing_to_fuse(deep_pair):
     assert plain.id not in fused and drafting.id in fused
     assert plain.generated == ex.generate(["def f(x):"], 12, max_draft_len=0)[0].token_ids
     assert drafting.stats.draft_tokens > 0
+
+
+def test_penalties_and_a_grammar_hold_with_eagle3_drafts(deep_pair):
+    """Greedy EAGLE-3 drafting under penalties, bias and a regex format (whose forced tokens interleave with the
+    heads' drafts, which then catch up on tokens they did not draft) equals target-only decoding with them."""
+    target, _, tok = load_tiny_models(deep_pair)
+    heads = shaken_heads(target, noise=0.5)
+    controls = dict(frequency_penalty=0.8, presence_penalty=0.4, logit_bias={"7": 2.0},
+                    response_format={"type": "regex", "regex": "[a-z ]{4,30}"})
+    plain = SpeculativeExecutor(target, None, tok, max_draft_len=0, method="ngram").generate(PROMPTS, 24, **controls)
+    spec = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads).generate(
+        PROMPTS, 24, **controls)
+    for expected, result in zip(plain, spec):
+        assert result.token_ids == expected.token_ids and result.stats.by_proposer["eagle3"][0] > 0

@@ -313,8 +313,10 @@ def test_penalties_bias_and_min_tokens_equal_speculation_off(serving, client):
     assert spec.choices[0].text == plain.choices[0].text != bare.choices[0].text
     assert spec.model_extra["speculative"]["draft_tokens"] > 0  # speculation was on
     theirs = triton_generate(ports, text_input=PROMPT, max_tokens=24, temperature=0.0, presence_penalty=0.7,
-                             frequency_penalty=0.9, logit_bias=json.dumps(controls["logit_bias"]), **extra)
+                             frequency_penalty=0.9, logit_bias=json.dumps(controls["logit_bias"]), logprobs=1, **extra)
     assert theirs["text_output"] == spec.choices[0].text  # the same inputs through Triton's own model
+    entries = json.loads(theirs["logprobs"])  # the steps' entries merged into one list by the proxy model
+    assert [entry[0] for entry in entries] == theirs["output_ids"] and all(len(entry[3]) == 1 for entry in entries)
 
 
 @pytest.mark.server
@@ -394,6 +396,23 @@ def test_tool_calls_are_parsed_and_an_agent_loop_continues(client, stream):
     after = client.chat.completions.create(model=MODEL, messages=loop, tools=[WEATHER], max_completion_tokens=4,
                                            temperature=0)
     assert after.usage.prompt_tokens > answer.usage.prompt_tokens and after.choices[0].finish_reason == "length"
+
+
+@pytest.mark.server
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named"])
+def test_a_required_tool_choice_always_calls_the_tool(client, choice):
+    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}
+    for seed in range(3):
+        answer = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool], tool_choice=choice,
+                                                max_completion_tokens=64, temperature=1.0, seed=seed)
+        (tool_call,) = answer.choices[0].message.tool_calls
+        assert answer.choices[0].finish_reason == "tool_calls" and tool_call.function.name == "get_weather"
+        assert set(json.loads(tool_call.function.arguments)) == {"city"}
+    auto = client.chat.completions.create(model=MODEL, messages=ASK, tools=[tool], max_completion_tokens=8,
+                                          temperature=0)
+    assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"
 
 
 @pytest.mark.server

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ...methods import Method
 from ...speculative import logits_to_probs, sample
+from ..row_logits import adjusted, adjusts
 from ...eagle3_heads import Eagle3Heads, attend
 from ...speculative.tree import TokenTree
 from ..step_batch import StepBatch
@@ -143,7 +144,7 @@ class Eagle3Proposer(Proposer):
                 else:
                     prenorm, logits = self._chain_step(state, position, tokens[row][-1], hidden[row])
                 hidden[row] = prenorm
-                token, dist = self._pick(request, logits)
+                token, dist = self._pick(request, logits, tokens[row])
                 tokens[row].append(token)
                 if dist is not None:
                     probs[row].append(dist)
@@ -236,13 +237,24 @@ class Eagle3Proposer(Proposer):
             scores.append(base + value)
         return list(range(first, len(tokens)))
 
-    def _pick(self, request, logits: Tensor) -> tuple[int, Tensor | None]:
-        """The draft token (a target id) and, for a sampled row, the [1, V] distribution it was drawn from."""
-        if request.params.greedy:
+    def _pick(self, request, logits: Tensor, chain: list[int] | None = None) -> tuple[int, Tensor | None]:
+        """The draft token (a target id) and, for a sampled row, the [1, V] distribution it was drawn from. In a
+        chain (``chain``: the tokens drafted before it this step) the request's penalties, bias and grammar apply
+        as the verify applies them; a tree's candidates are ranked unadjusted (the verify still adjusts)."""
+        adjusting = chain is not None and adjusts(request)
+        if request.params.greedy and not adjusting:
             return int(self._ids[int(logits.argmax())]), None
         full = logits.new_full((self.heads.config.vocab_size,), float("-inf"))
         full[self._ids] = logits
-        dist = logits_to_probs(full[None, :self.vocab_size], request.params)
+        full = full[None, :self.vocab_size]  # [1, V]
+        if adjusting:
+            candidate = adjusted(request, full, [chain])
+            # The heads' vocabulary may hold no token the grammar allows here: then draft unadjusted (the verify
+            # rejects it), still from the distribution reported.
+            full = candidate if bool(torch.isfinite(candidate).any()) else full
+            if request.params.greedy:
+                return int(full.argmax()), None
+        dist = logits_to_probs(full, request.params)
         return int(sample(dist, request.generator)), dist
 
     @torch.inference_mode()

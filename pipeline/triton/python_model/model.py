@@ -187,7 +187,8 @@ class TritonPythonModel:
             args = self.parse_request(lambda name: _input(request, name), self.engine_draft_len,
                                       self.executor.max_input_len)
             prompt, turn_end = args.executor_prompt(self.executor.tokenizer, self.model_source)
-            spec_request = self.executor.new_request(prompt, stop_token_ids=turn_end, **args.executor_kwargs())
+            spec_request = self.executor.new_request(prompt, stop_token_ids=turn_end,
+                                                     **args.executor_kwargs(self.executor.tokenizer))
         except Exception as exc:  # noqa: BLE001 - reported to this client; the model keeps serving others
             sender.send(self._error_response(exc), flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
