@@ -32,7 +32,8 @@ DEFAULT_TESTS = ["tests/e2e/test_sampling_distribution.py", "tests/speculative/t
                  "tests/executor/test_batching_engine.py::test_chunked_prefill_and_prefix_reuse_change_no_result",
                  "tests/executor/test_suffix_proposer.py",
                  "tests/executor/test_proposers.py::test_sampled_output_follows_the_target_distribution",
-                 "tests/executor/test_eagle3_proposer.py"]
+                 "tests/executor/test_eagle3_proposer.py", "tests/executor/test_row_logits.py",
+                 "tests/speculative/test_penalties.py"]
 SKIP = shutil.ignore_patterns(".venv", "engines", "models", ".git", "__pycache__", "*.egg-info", ".pytest_cache",
                               ".hypothesis", "build")
 
@@ -45,6 +46,8 @@ POOL = "pipeline/executor/block_pool.py"
 SUFFIX = "pipeline/executor/proposers/suffix.py"
 EAGLE3 = "pipeline/executor/proposers/eagle3.py"
 EAGLE3_TRAIN = "pipeline/distill/train_eagle3.py"
+ROW_LOGITS = "pipeline/executor/row_logits.py"
+PENALTIES = "pipeline/speculative/penalties.py"
 
 
 @dataclass(frozen=True)
@@ -184,6 +187,26 @@ MUTANTS = [
            "at = row.length - 1 + step",
            "at = row.length - 1",
            "every chained EAGLE-3 step drafts at the last pair's RoPE position"),
+    Mutant("penalty_state_not_advanced", ROW_LOGITS,
+           "[proposal[:j] for j in range(len(proposal) + 1)]",
+           "[[] for j in range(len(proposal) + 1)]",
+           "every verified position penalized with the state before the step (the draft tokens not counted)"),
+    Mutant("penalty_state_one_ahead", ROW_LOGITS,
+           "[proposal[:j] for j in range(len(proposal) + 1)]",
+           "[proposal[:j + 1] for j in range(len(proposal) + 1)]",
+           "position j penalized as if draft token j had already been generated"),
+    Mutant("min_tokens_off_by_one", PENALTIES,
+           "early = (lengths < adjust.min_tokens)[:, None]",
+           "early = (lengths <= adjust.min_tokens)[:, None]",
+           "stop tokens held back one token longer than min_tokens"),
+    Mutant("draft_unadjusted", DRAFT,
+           "if adjusts(request) else None",
+           "if False else None",
+           "the draft model proposes from unpenalized logits (lossless, but a self-draft is no longer always right)"),
+    Mutant("logprobs_shifted", ROW_LOGITS,
+           "return [first + j for j in range(accepted + 1)]",
+           "return [first + j + 1 for j in range(accepted + 1)]",
+           "each emitted token's log-probability read at the position after the one that judged it"),
 ]
 
 
