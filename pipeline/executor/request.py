@@ -125,7 +125,7 @@ class SpecRequest:
             self.stats.record_step(drafted, accepted, proposer)
         if proposer is not None and drafted > 0:
             self.acceptance(proposer).observe(drafted, accepted)
-        if self.plan.dynamic and drafted > 0:
+        if self.plan.dynamic and drafted > 0 and proposer != "grammar":  # forced tokens say nothing of the method
             self.dynamic_draft_len = next_draft_len(self.dynamic_draft_len, drafted, accepted, self.plan.max_draft_len)
         if self.grammar is not None:
             self.grammar.consume(tokens)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ..errors import short_repr
-from ..speculative.sampling_params import MAX_LOGIT_BIAS, PENALTY_LIMIT, LogitsAdjust, SamplingParams
+from ..speculative.sampling_params import MAX_LOGIT_BIAS, PENALTY_LIMIT, REPETITION_RANGE, LogitsAdjust, SamplingParams
 from .results import RequestError
 
 MAX_NEW_TOKENS = 2**31 - 1  # what an INT32 tensor (Triton's max_tokens) can carry
@@ -162,10 +162,8 @@ def validate_controls(presence_penalty=0.0, frequency_penalty=0.0, repetition_pe
 
     presence = _float(presence_penalty, name("presence_penalty"), -PENALTY_LIMIT, PENALTY_LIMIT, "0 disables it")
     frequency = _float(frequency_penalty, name("frequency_penalty"), -PENALTY_LIMIT, PENALTY_LIMIT, "0 disables it")
-    if isinstance(repetition_penalty, bool) or not isinstance(repetition_penalty, (int, float)) or \
-            not 0 < repetition_penalty <= 1e4:
-        raise RequestError(f"{name('repetition_penalty')}: {short_repr(repetition_penalty)} must be a number > 0 "
-                           f"(1 disables it; above 1 discourages repeats)")
+    repetition = _float(repetition_penalty, name("repetition_penalty"), *REPETITION_RANGE,
+                        "1 disables it; above 1 discourages repeats")
     if not _int(min_tokens) or not 0 <= min_tokens <= MAX_NEW_TOKENS:
         raise RequestError(f"{name('min_tokens')}: {short_repr(min_tokens)} must be an integer >= 0 (0 disables "
                            f"it)")
@@ -174,6 +172,6 @@ def validate_controls(presence_penalty=0.0, frequency_penalty=0.0, repetition_pe
     if logprobs is not None and (not _int(logprobs) or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
         raise RequestError(f"{name('logprobs')}: {short_repr(logprobs)} must be an integer in [0, "
                            f"{MAX_TOP_LOGPROBS}] (the likeliest tokens returned beside each token), or None")
-    adjust = LogitsAdjust(presence, frequency, float(repetition_penalty),
+    adjust = LogitsAdjust(presence, frequency, repetition,
                           _logit_bias(logit_bias, name("logit_bias"), vocab_size), min_tokens)
     return OutputControls(adjust, logprobs, response_format, ignore_eos)

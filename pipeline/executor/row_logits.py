@@ -36,7 +36,14 @@ def adjusted(request, logits: Tensor, paths: list[list[int]]) -> Tensor:
         allowed = request.grammar.allowed_along(paths[-1])[:, :vocab]
     else:
         allowed = torch.stack([request.grammar.allowed_along(path)[-1, :vocab] for path in paths])
-    return out.masked_fill(~allowed.to(out.device), float("-inf"))
+    allowed = allowed.to(out.device)
+    out = out.masked_fill(~allowed, float("-inf"))
+    # Where the grammar allows only what min_tokens holds back (the format is complete: only a stop token may
+    # follow), the grammar wins: the answer ends instead of the request failing on a distribution with no mass.
+    dead = ~torch.isfinite(out).any(-1)  # [P]
+    if bool(dead.any()):
+        out[dead] = logits.float()[dead].masked_fill(~allowed[dead], float("-inf"))
+    return out
 
 
 def judged(batch: StepBatch, row: int) -> tuple[list[int], list[list[int]]]:

@@ -199,30 +199,36 @@ def _choice(reply: Reply, parsed: GenerationRequest, generation: Generation, tex
 
 
 async def _choice_chunks(generation: Generation, reply: Reply, parsed: GenerationRequest, ends: Ends):
-    """One choice's stream: its role chunk (chat), its pieces with their tokens' logprobs and tool-call deltas, and
-    its last chunk with the finish reason and its acceptance statistics."""
+    """One choice's stream: its role chunk (chat), its text pieces and tool-call deltas, and its last chunk with the
+    finish reason and its acceptance statistics. Log-probabilities ride on the next content chunk after their tokens
+    (text a tool parser holds back, or a call's own tokens, wait for it), and what is left on the last chunk."""
     chunk = functools.partial(reply.chunk, index=generation.index, include_usage=parsed.include_usage)
     tools = ToolCallStream(parsed.tool_format) if parsed.tool_format is not None else None
-    pieces, sent = generation.pieces(), 0
+    pieces, pending, sent = generation.pieces(), [], 0
+
+    def out(delta):
+        nonlocal pending, sent
+        if not isinstance(delta, str):
+            return chunk(tool_calls=[delta])
+        logprobs = _logprobs(reply, pending, sent) if pending else None
+        pending, sent = [], sent + len(delta)
+        return chunk(delta, logprobs=logprobs)
+
     try:
         if reply.chat:  # OpenAI's first chat chunk names the role
             yield chunk(role=True)
         while (piece := await ends.first(anext(pieces, None))) is not None:
-            logprobs = _logprobs(reply, generation.take_logprobs(), sent) if parsed.logprobs else None
-            sent += len(piece)
-            if tools is None:
-                yield chunk(piece, logprobs=logprobs)
-                continue
-            for delta in tools.feed(piece):
-                yield chunk(delta, logprobs=logprobs) if isinstance(delta, str) else chunk(tool_calls=[delta])
-        finish_reason = generation.finish_reason
+            pending += generation.take_logprobs() if parsed.logprobs else []
+            for delta in [piece] if tools is None else tools.feed(piece):
+                yield out(delta)
         for delta in tools.finish() if tools is not None else []:
-            yield chunk(delta) if isinstance(delta, str) else chunk(tool_calls=[delta])
+            yield out(delta)
+        finish_reason = generation.finish_reason
         if tools is not None and tools.calls and finish_reason == "stop":
             finish_reason = "tool_calls"
-        rest = generation.take_logprobs() if parsed.logprobs else []
+        pending += generation.take_logprobs() if parsed.logprobs else []
         yield chunk(finish_reason=finish_reason, speculative=generation.speculative,
-                    logprobs=_logprobs(reply, rest, sent) if rest else None)
+                    logprobs=_logprobs(reply, pending, sent) if pending else None)
     finally:
         await pieces.aclose()
 

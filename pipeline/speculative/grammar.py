@@ -58,6 +58,18 @@ def grammar_from_response_format(value: object) -> str | None:
                            f"use only {', '.join(sorted(allowed_keys))}")
     if kind == "text":
         return None
+    try:
+        return _grammar_of(kind, value)
+    except (ValueError, RecursionError) as exc:  # llguidance's own limits (nesting), json.dumps' recursion
+        if isinstance(exc, RequestError):
+            raise
+        where = {"json_schema": "response_format.json_schema.schema"}.get(kind, f"response_format.{kind}")
+        raise RequestError(f"{where}: cannot be compiled ({_one_line(str(exc) or type(exc).__name__)}); simplify it "
+                           f"(less nesting) or leave response_format out") from None
+
+
+def _grammar_of(kind: str, value: dict) -> str:
+    """The grammar of a checked response_format of ``kind`` (not text)."""
     LLMatcher = _matcher_class()
     if kind == "json_object":
         return _checked(LLMatcher.grammar_from_json_schema(ANY_JSON_OBJECT, JSON_LAYOUT), "response_format")
@@ -220,14 +232,20 @@ class GrammarMatcher:
         matcher is rolled back to where it was."""
         matcher = self._matcher
         row_bytes, first_row = bitmask.shape[1] * bitmask.element_size(), bitmask.data_ptr()
-        for j in range(len(tokens) + 1):
-            # llguidance.torch.fill_next_token_bitmask does this, but importing that module imports torch._dynamo
-            # (half a second) for a helper we do not use. The buffer is ours and contiguous: rows are row_bytes apart.
-            matcher.unsafe_compute_mask_ptr(first_row + j * row_bytes, row_bytes)
-            if j < len(tokens) and not matcher.consume_token(tokens[j]):
-                raise RuntimeError(f"llguidance refused token {tokens[j]} it had validated: {matcher.get_error()}")
-        if tokens and not matcher.rollback(len(tokens)):
-            raise RuntimeError(f"llguidance could not roll back {len(tokens)} tokens: {matcher.get_error()}")
+        consumed = 0
+        try:
+            for j in range(len(tokens) + 1):
+                # llguidance.torch.fill_next_token_bitmask does this, but importing that module imports
+                # torch._dynamo (half a second) for a helper we do not use. The buffer is ours and contiguous.
+                matcher.unsafe_compute_mask_ptr(first_row + j * row_bytes, row_bytes)
+                if j < len(tokens):
+                    if not matcher.consume_token(tokens[j]):
+                        raise RuntimeError(f"llguidance refused token {tokens[j]} it had validated: "
+                                           f"{matcher.get_error()}")
+                    consumed += 1
+        finally:  # the state the walk started from, whatever happened on the way
+            if consumed and not matcher.rollback(consumed):
+                raise RuntimeError(f"llguidance could not roll back {consumed} tokens: {matcher.get_error()}")
 
     def consume(self, tokens: list[int]) -> None:
         """Advance by emitted ``tokens``; ValueError (state unchanged) if one is not allowed where it stands. A stop

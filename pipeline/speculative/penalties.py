@@ -35,9 +35,10 @@ def adjust_logits(logits: Tensor, adjust: LogitsAdjust, generated: list[int], pr
     out = logits.float().clone()
     vocab = out.shape[-1]
     device = out.device
-    for token, bias in adjust.logit_bias:
-        if 0 <= token < vocab:
-            out[:, token] += bias
+    pairs = [(token, bias) for token, bias in adjust.logit_bias if 0 <= token < vocab]  # ids are unique
+    if pairs:  # one op, not one per entry: up to 300 entries, at every verified and drafted position
+        tokens = torch.tensor([t for t, _ in pairs], device=device)
+        out[:, tokens] += torch.tensor([b for _, b in pairs], device=device)
     if adjust.min_tokens and stop_ids:
         lengths = torch.tensor([len(generated) + len(path) for path in paths], device=device)  # [P]
         early = (lengths < adjust.min_tokens)[:, None]  # [P, 1]

@@ -26,6 +26,8 @@ class SamplingParams:
 
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+# repetition_penalty's range: a logit divided by 1e-39 is +inf, and the distribution NaN; 100 already pins a repeat.
+REPETITION_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -51,8 +53,10 @@ class LogitsAdjust:
             value = getattr(self, name)
             if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
                 raise ValueError(f"{name}: {value} must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 disables it)")
-        if not 0 < self.repetition_penalty < float("inf"):
-            raise ValueError(f"repetition_penalty: {self.repetition_penalty} must be finite and > 0 (1 disables it)")
+        low, high = REPETITION_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty: {self.repetition_penalty} must be in [{low:g}, {high:g}] (1 "
+                             f"disables it)")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens: {self.min_tokens} must be >= 0 (0 disables it)")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:

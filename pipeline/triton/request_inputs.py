@@ -68,10 +68,13 @@ class GenerateArgs:
         """``executor.new_request``'s keywords; with ``tokenizer`` a tool_choice that requires a call becomes the
         response_format of one call in the chat template's tool format (where it writes calls as text)."""
         controls = dict(self.controls)
-        if self.tools is not None and tokenizer is not None:
-            forced = forced_call_format(self.tools, self.tool_choice, chat_tool_format(tokenizer))
-            if forced is not None:
-                controls["response_format"] = forced
+        if self.tools is not None and tokenizer is not None and self.tool_choice not in ("auto", "none"):
+            fmt = chat_tool_format(tokenizer)
+            forced = forced_call_format(self.tools, self.tool_choice, fmt)
+            if forced is None:
+                raise RequestError(f"tool_choice: {short_repr(self.tool_choice, 60)} cannot be enforced in this "
+                                   f"model's tool format ({fmt}: a call opens with a special token); send \"auto\"")
+            controls["response_format"] = forced
         return dict(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_k=self.top_k,
                     top_p=self.top_p, seed=self.seed, max_draft_len=self.max_draft_len,
                     fit_max_tokens=self.fit_max_tokens, cache_salt=self.cache_salt, method=self.method, **controls)

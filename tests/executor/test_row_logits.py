@@ -173,3 +173,13 @@ def test_a_regex_format_and_bad_formats(pair):
                                                                           "json_schema": {"name": "x"}})
     with pytest.raises(RequestError, match=r"^response_format: with ignore_eos"):
         executor.generate(PROMPTS[:1], max_new_tokens=4, response_format=JSON_FORMAT, ignore_eos=True)
+
+
+def test_min_tokens_yields_to_a_complete_format(pair):
+    """A regex complete after 4 tokens and min_tokens 10: only a stop token may follow the format, and min_tokens
+    holds stop tokens back; the format wins and the answer ends, greedy and sampled."""
+    executor = executors(pair)["draft_model"]
+    for sampling in (dict(), dict(temperature=1.0, seed=4)):
+        (result,) = executor.generate(PROMPTS[:1], max_new_tokens=20, min_tokens=10,
+                                      response_format={"type": "regex", "regex": "[0-9]{4}"}, **sampling)
+        assert result.finish_reason == "eos" and re.fullmatch("[0-9]{4}", result.text), result.text

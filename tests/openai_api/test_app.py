@@ -5,6 +5,7 @@ waiting for garbage collection."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -89,3 +90,36 @@ def test_an_upload_abandoned_mid_body_is_not_an_error():
              "headers": [(b"host", b"localhost"), (b"content-type", b"application/json"),
                          (b"content-length", b"1000")]}
     asyncio.run(app(scope, receive, send))  # raised ClientDisconnect before
+
+
+def test_streamed_logprobs_with_tools_are_each_sent_once():
+    """Text a tool parser holds back (a possible call marker) and a call's own tokens carry logprobs too: they ride on
+    the next content chunk or the last one, never dropped, never repeated."""
+    from pipeline.openai_api.app import Ends, _events
+    from pipeline.openai_api.generation import Generation
+    from pipeline.openai_api.protocol import GenerationRequest
+    from pipeline.openai_api.responses import Reply
+    from pipeline.openai_api.triton_stream import Step
+
+    texts = ["Hi <tool", '_call>{"name": "f", "arguments": {}}</tool_call>', " bye"]
+
+    class ScriptedTriton:
+        async def steps(self, inputs):
+            for i, text in enumerate(texts):
+                entries = [[i, text, -0.5 * (i + 1), []]]
+                yield Step(text, [i], "eos" if i == len(texts) - 1 else "", 3, {}, logprobs=entries)
+
+    async def events() -> list[dict]:
+        parsed = GenerationRequest(chat=True, inputs={}, logprobs=True, tool_format="hermes")
+        generation = Generation(ScriptedTriton(), parsed)
+        await generation.start()
+        sent = [event async for event in _events([generation], Reply.new(chat=True, model="m"), parsed,
+                                                 ends=Ends(60, asyncio.Event()))]
+        return [json.loads(event[6:]) for event in sent if event.startswith(b"data: {")]
+
+    bodies = asyncio.run(events())
+    entries = [entry["logprob"] for body in bodies for choice in body["choices"] if choice["logprobs"]
+               for entry in choice["logprobs"]["content"]]
+    assert sorted(entries) == [-1.5, -1.0, -0.5]  # each token's once
+    calls = [d for b in bodies for c in b["choices"] for d in c.get("delta", {}).get("tool_calls", [])]
+    assert calls and calls[0]["function"]["name"] == "f" and bodies[-1]["choices"][0]["finish_reason"] == "tool_calls"

@@ -198,3 +198,12 @@ class DeadEnd:
 def test_a_row_is_never_all_false():
     rows = GrammarMatcher(DeadEnd(), VOCAB, (0, 7)).allowed_along([5])
     assert rows[0].nonzero().flatten().tolist() == [0, 7] and rows[1].all()
+
+
+@pytest.mark.parametrize("depth", [300, 3000])
+def test_a_schema_nested_too_deep_is_refused_by_its_field(depth):
+    schema = {"type": "string"}
+    for _ in range(depth):  # llguidance's own limit at 300, json.dumps' recursion at 3000
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(RequestError, match=r"^response_format\.json_schema\.schema: cannot be compiled"):
+        grammar_from_response_format({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})

@@ -394,3 +394,24 @@ def test_output_controls_and_tools_reach_the_executor():
                          (dict(response_format=text("x" * 70000)), "response_format: 70000 bytes")]:
         with pytest.raises(RequestError, match=re.escape(words)):
             request(**extra)
+
+
+def test_a_required_tool_choice_becomes_a_grammar_or_is_refused(tiny_pair):
+    """tool_choice "required" becomes the request's response_format in a format that writes calls as text; where a
+    call opens with a special token (Mistral) it is refused by name instead of silently acting as "auto"."""
+    from transformers import AutoTokenizer
+
+    def text(value: str):
+        return np.array([[value.encode()]], dtype=np.object_)
+
+    tools = '[{"type": "function", "function": {"name": "get_weather"}}]'
+    args = parse_request({"messages": text('[{"role": "user", "content": "hi"}]'), "max_tokens": np.array([[8]], np.int32),
+                          "tools": text(tools), "tool_choice": text('"required"')}.get, K_LIMIT, 64)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair / "target")
+    tokenizer.chat_template = ("{% for m in messages %}{{ m.content }}{% endfor %}{% if tools %}{{ tools | tojson }}"
+                               "{% endif %}<tool_call>")
+    assert args.executor_kwargs(tokenizer)["response_format"]["type"] == "grammar"
+    assert "response_format" not in args.executor_kwargs()  # no tokenizer, no format to write the call in
+    tokenizer.chat_template = tokenizer.chat_template.replace("<tool_call>", "[TOOL_CALLS]")
+    with pytest.raises(RequestError, match=r"^tool_choice: 'required' cannot be enforced .*mistral"):
+        args.executor_kwargs(tokenizer)
