@@ -40,6 +40,15 @@ def add_run_parser(sub, common) -> None:
     p.add_argument("--max-draft-len", type=int, default=None, help="K for this run (0 = target only)")
     p.add_argument("--stream", action="store_true", help="print tokens as they are accepted (first prompt)")
     p.add_argument("--json", action="store_true", help="print results as JSON")
+    controls = p.add_argument_group("output controls (as the OpenAI endpoint's; speculation stays on)")
+    controls.add_argument("--presence-penalty", type=float, default=0.0)
+    controls.add_argument("--frequency-penalty", type=float, default=0.0)
+    controls.add_argument("--repetition-penalty", type=float, default=1.0)
+    controls.add_argument("--min-tokens", type=int, default=0)
+    controls.add_argument("--logprobs", type=int, default=None, metavar="N",
+                          help="each token's log-probability and its N likeliest alternatives (with --json)")
+    controls.add_argument("--response-format", metavar="JSON|@FILE",
+                          help='OpenAI\'s response_format, e.g. \'{"type": "json_object"}\' or @schema-format.json')
     p.set_defaults(func=cmd_run)
 
 
@@ -71,7 +80,34 @@ def read_chats(chats: list[str], messages_file: Path | None, system: str | None)
 
 
 CLI_NAMES = {"max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k",
-             "top_p": "--top-p", "seed": "--seed", "max_draft_len": "--max-draft-len"}
+             "top_p": "--top-p", "seed": "--seed", "max_draft_len": "--max-draft-len",
+             "presence_penalty": "--presence-penalty", "frequency_penalty": "--frequency-penalty",
+             "repetition_penalty": "--repetition-penalty", "min_tokens": "--min-tokens", "logprobs": "--logprobs"}
+
+
+def read_controls(args) -> dict:
+    """The output-control flags as generate()'s keywords, checked (named as the flags are spelled); the response
+    format parsed from its JSON text or @file and checked to compile."""
+    from .executor.request_values import validate_controls
+    from .speculative.grammar import grammar_from_response_format
+
+    controls = dict(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
+                    repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, logprobs=args.logprobs)
+    validate_controls(**controls, names=CLI_NAMES)
+    if args.response_format is not None:
+        text = args.response_format
+        if text.startswith("@"):
+            try:
+                text = Path(text[1:]).read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise PipelineError(f"--response-format: cannot read {text[1:]} ({exc})") from None
+        try:
+            controls["response_format"] = json.loads(text)
+        except ValueError as exc:
+            raise PipelineError(f"--response-format: not valid JSON ({exc}); pass e.g. "
+                                f"'{{\"type\": \"json_object\"}}' or @FILE") from None
+        grammar_from_response_format(controls["response_format"])  # a RequestError naming the field, before loading
+    return controls
 
 
 def load_executor(config, engines_dir: Path):
@@ -130,6 +166,7 @@ def cmd_run(args) -> int:
     # The executor's rules, checked before anything loads, named as the flags are spelled.
     validate_request(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, args.max_draft_len,
                      names=CLI_NAMES)
+    controls = read_controls(args)
     config = load_config(args.config)
     chats = read_chats(args.chat, args.messages, args.system)
     if args.system is not None and not chats:
@@ -145,7 +182,7 @@ def cmd_run(args) -> int:
     # A chat ends at its turn's end even where the generation config lists only the document EOS.
     turn_end = end_of_turn_ids(executor.tokenizer) if chats else []
     options = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                   top_p=args.top_p, seed=args.seed, max_draft_len=args.max_draft_len)
+                   top_p=args.top_p, seed=args.seed, max_draft_len=args.max_draft_len, **controls)
     if args.stream:
         return _stream(executor, items[0], prompts[0], turn_end if items[0].is_chat else None, options)
     results, timings, wall = timed_run(executor, [

@@ -175,3 +175,27 @@ def test_run_timing_starts_at_the_first_token_not_the_first_step():
     assert (timing.first_s, timing.last_s, timing.tokens) == (0.25, 0.5, 5)
     assert timing.to_dict() == {"ttft_ms": 250.0, "seconds": 0.5, "tokens_per_s": 10.0}
     assert timing.summary() == "10.0 tok/s, TTFT 250 ms"
+
+
+def test_run_applies_output_controls(chat_engines, executor, capsys, tmp_path):
+    config, engines = chat_engines
+    fmt = tmp_path / "format.json"
+    fmt.write_text(json.dumps({"type": "regex", "regex": "(yes|no), [0-9]{2}"}))
+    assert main(["run", str(config), "--engines-dir", str(engines), "--prompt", "x = 1", "--max-new-tokens", "16",
+                 "--response-format", f"@{fmt}", "--frequency-penalty", "0.5", "--logprobs", "1", "--json"]) == 0
+    (record,) = json.loads(capsys.readouterr().out)
+    assert re.fullmatch("(yes|no), [0-9]{2}", record["text"]) and record["finish_reason"] == "eos"
+    assert len(record["logprobs"]) == len(record["token_ids"]) and len(record["logprobs"][0]["top"]) == 1
+    assert record["stats"]["by_proposer"]["grammar"][0] > 0  # the format's fixed ", " was drafted for free
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--presence-penalty", "3"], "--presence-penalty: 3.0 must be a number in [-2, 2]"),
+    (["--logprobs", "21"], "--logprobs: 21 must be an integer in [0, 20]"),
+    (["--response-format", "{json"], "--response-format: not valid JSON"),
+    (["--response-format", '{"type": "xml"}'], "response_format.type: got 'xml'"),
+])
+def test_run_refuses_bad_controls_before_loading(tmp_path, args, expected):
+    line = one_error_line(run_cli("run", "configs/tiny.yaml", "--engines-dir", str(tmp_path / "none"), "--prompt", "x",
+                                  *args))
+    assert expected in line, line

@@ -320,6 +320,9 @@ class BatchingEngine:
                 routed.setdefault(chosen, []).append(row)
         for proposer, chosen_rows in routed.items():
             proposer.propose(batch, chosen_rows)
+        for row, request in enumerate(rows):  # a draft token the grammar forbids would be rejected: not verified
+            if request.grammar is not None and batch.trees[row] is None and batch.proposals[row]:
+                batch.cut(row, request.grammar.allowed_prefix(batch.proposals[row]))
         batch.seal(self.vocab_size, self.device)
         return batch
 

@@ -54,6 +54,17 @@ class StepBatch:
             self.proposer[row] = proposer
             self.trees[row] = tree
 
+    def cut(self, row: int, keep: int) -> None:
+        """Keep only the first ``keep`` tokens of chain row ``row``'s proposal (and their distributions); nothing
+        left makes it a plain step."""
+        if keep >= len(self.proposals[row]):
+            return
+        self.proposals[row] = self.proposals[row][:keep]
+        probs = self.proposal_probs[row]
+        self.proposal_probs[row] = probs[:keep] if probs is not None and keep else None
+        if not keep:
+            self.proposer[row] = None
+
     def seal(self, vocab: int, device: torch.device) -> None:
         """Lay out the chains: a tree row counts its candidates in num_draft but stays PAD in draft_tokens (the tree
         accept rule reads its proposal directly), so a wide tree does not widen the chain rows' tensors."""

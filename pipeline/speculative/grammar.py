@@ -211,6 +211,11 @@ class GrammarMatcher:
             allowed[valid + 1:end + 1, self._stop_ids] = True
         return allowed
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar allows from here, without computing a mask (state unchanged); a
+        stop id ends the count (it may be allowed, where the text before it is complete: counted as not)."""
+        return self._valid_prefix(tokens)[0]
+
     def _valid_prefix(self, tokens: list[int]) -> tuple[int, int]:
         """(how many leading ``tokens`` the grammar allows before the first stop id, that stop id's index).
 

@@ -183,3 +183,28 @@ def test_min_tokens_yields_to_a_complete_format(pair):
         (result,) = executor.generate(PROMPTS[:1], max_new_tokens=20, min_tokens=10,
                                       response_format={"type": "regex", "regex": "[0-9]{4}"}, **sampling)
         assert result.finish_reason == "eos" and re.fullmatch("[0-9]{4}", result.text), result.text
+
+
+def test_draft_tokens_the_format_forbids_are_cut_before_the_verify(pair, monkeypatch):
+    """n-gram proposals copied from a prompt of letters, under a digits-only format: a draft token the format forbids
+    would be rejected, so it is cut before the verify (which stays narrower); the output is plain decoding's."""
+    from pipeline.executor.step_batch import StepBatch
+
+    _, _, tok = pair
+    verified = []  # every draft token that reached a verify
+    seal = StepBatch.seal
+    monkeypatch.setattr(StepBatch, "seal", lambda self, *args: (
+        verified.extend(t for tokens in self.proposals for t in tokens), seal(self, *args)))
+    executor = executors(pair)["ngram"]
+    prompt = "abc abc abc abc abc abc"
+    fmt = {"type": "regex", "regex": "[0-9]{6}"}
+    (spec,) = executor.generate([prompt], max_new_tokens=10, response_format=fmt)
+    (plain,) = executor.generate([prompt], max_new_tokens=10, response_format=fmt, max_draft_len=0)
+    assert spec.token_ids == plain.token_ids and re.fullmatch("[0-9]{6}", spec.text)
+    assert all(tok.decode([t]).isdigit() for t in verified), [tok.decode([t]) for t in verified]
+    sampled = executor.generate([prompt] * 3, max_new_tokens=10, response_format=fmt, temperature=1.0, seed=[1, 2, 3])
+    assert all(re.fullmatch("[0-9]{6}", r.text) for r in sampled)
+    assert all(tok.decode([t]).isdigit() for t in verified)
+    verified.clear()
+    executor.generate([prompt], max_new_tokens=10)  # without the format the lookup drafts letters
+    assert any(not tok.decode([t]).isdigit() for t in verified)
