@@ -31,6 +31,11 @@ class Method(StrEnum):
         return self is Method.EAGLE3
 
 
+# Not a speculative.method: the proposer of the tokens a request's response_format forces, drafted ahead of any
+# method (pipeline/executor/proposers/grammar.py); its name in statistics and acceptance estimates.
+GRAMMAR_PROPOSER = "grammar"
+
+
 def parse_method(value: object, has_draft_model: bool, error=ValueError, has_medusa_heads: bool = False,
                  has_eagle3_heads: bool = False) -> Method:
     """``value`` as a Method this runtime can serve; raises ``error`` naming the value and the fix."""

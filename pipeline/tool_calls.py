@@ -24,6 +24,7 @@ from typing import Any
 
 from .errors import short_repr
 from .errors import RequestError
+from .speculative.sampling_params import JSON_LAYOUT
 
 TOOL_FORMATS = ("hermes", "llama3_json", "mistral")
 MAX_TOOLS = 128
@@ -180,8 +181,6 @@ def validate_tool_choice(value: object, tools: list[dict]) -> str | dict:
 # The formats whose calls are plain text around one JSON object (a Mistral call opens with a special token, which a
 # text grammar cannot write): the text before and after the object, and the key holding the arguments.
 CALL_LAYOUTS = {"hermes": ("<tool_call>\n", "\n</tool_call>", "arguments"), "llama3_json": ("", "", "parameters")}
-# JSON laid out as json.dumps writes it (pipeline/speculative/grammar.py's JSON_LAYOUT, as llguidance options).
-CALL_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def forced_call_format(tools: list[dict], tool_choice: str | dict, fmt: str | None) -> dict | None:
@@ -196,7 +195,7 @@ def forced_call_format(tools: list[dict], tool_choice: str | dict, fmt: str | No
                                                key: _closed(tool["function"].get("parameters"))},
               "required": ["name", key], "additionalProperties": False}
              for tool in tools if named in (None, tool["function"]["name"])]
-    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": CALL_JSON_LAYOUT}
+    schema = {**(calls[0] if len(calls) == 1 else {"anyOf": calls}), "x-guidance": JSON_LAYOUT}
     parts = [json.dumps(text) for text in (before, after) if text]
     body = " ".join([parts[0], "call", parts[1]] if parts else ["call"])
     return {"type": "grammar", "grammar": f"start: {body}\ncall: %json {json.dumps(schema)}\n"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..methods import Method
+from ..methods import GRAMMAR_PROPOSER, Method
 
 PRIOR_WEIGHT = 2.0  # judged tokens at the prior rate that a new estimate starts with
 DECAY = 0.9  # per drafting step: the counts describe about the last ten drafting steps
@@ -20,7 +20,7 @@ MAX_RATE = 0.999  # the speedup model divides by 1 - alpha
 # A request's rate with a proposer before it drafted with it (ngram+draft compares the two); a few steps of its own
 # outweigh these.
 PROPOSER_PRIOR = {Method.DRAFT_MODEL: 0.6, Method.NGRAM: 0.4, Method.MEDUSA: 0.4, Method.SUFFIX: 0.4,
-                  Method.EAGLE3: 0.6, "grammar": 0.9}
+                  Method.EAGLE3: 0.6, GRAMMAR_PROPOSER: 0.9}
 
 
 def judged_tokens(drafted: int, accepted: int) -> int:

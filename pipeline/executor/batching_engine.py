@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..methods import NgramSettings, SuffixSettings
+from ..methods import GRAMMAR_PROPOSER, NgramSettings, SuffixSettings
 from ..speculative import accept_matching, accept_rejection, logits_to_probs, sample_inverse_cdf
 from ..speculative.tree import greedy_tree_accept, sampled_tree_accept, uniforms_needed
 from .block_pool import PrefixStats
@@ -44,7 +44,7 @@ from ..kv_settings import KVSettings
 from .compiled_decoder import capped_width
 from .model_runner import BatchModelRunner
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers, choose_drafter
-from .proposers.grammar import GRAMMAR, GrammarProposer
+from .proposers.grammar import GrammarProposer
 from .proposers.ngram import row_lookup
 from .row_logits import adjust_verify, token_logprobs
 from .request import SpecRequest
@@ -415,7 +415,7 @@ class BatchingEngine:
                     self.target.keep_path(request.id, base - 1, path)
                 # Drop the KV of rejected draft tokens; the emitted extra token is fed next step.
                 self._roll_back(request, base + accepted)
-                if self.policy is not None and batch.proposer[row] != GRAMMAR:  # forced tokens: not the method's
+                if self.policy is not None and batch.proposer[row] != GRAMMAR_PROPOSER:  # forced tokens: not the method's
                     self.policy.observe(request.id, drafted, accepted)
                 last_position[row] = int(batch.first_logit[row]) + (path[-1] if path else accepted)
                 events.append((request, request.advance(tokens, drafted, accepted, proposer=batch.proposer[row],

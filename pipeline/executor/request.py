@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..methods import Method
+from ..methods import GRAMMAR_PROPOSER, Method
 from ..speculative import SamplingParams
 from ..speculative.sampling_params import LogitsAdjust
 from .acceptance import PROPOSER_PRIOR, AcceptanceEstimate
@@ -125,7 +125,7 @@ class SpecRequest:
             self.stats.record_step(drafted, accepted, proposer)
         if proposer is not None and drafted > 0:
             self.acceptance(proposer).observe(drafted, accepted)
-        if self.plan.dynamic and drafted > 0 and proposer != "grammar":  # forced tokens say nothing of the method
+        if self.plan.dynamic and drafted > 0 and proposer != GRAMMAR_PROPOSER:  # forced tokens say nothing of the method
             self.dynamic_draft_len = next_draft_len(self.dynamic_draft_len, drafted, accepted, self.plan.max_draft_len)
         if self.grammar is not None:
             self.grammar.consume(tokens)

@@ -22,15 +22,12 @@ import torch
 from torch import Tensor
 
 from ..errors import RequestError, short_repr
+from .sampling_params import JSON_LAYOUT
 
 MAX_FORMAT_BYTES = 64 * 1024  # a schema's JSON text, a regex or a grammar: bounds the compile time a request can cost
 FORMAT_TYPES = ("text", "json_object", "json_schema", "regex", "grammar")
 JSON_SCHEMA_KEYS = ("name", "description", "schema", "strict")
 ANY_JSON_OBJECT = '{"type": "object"}'
-# JSON written as json.dumps writes it: one space after "," and ":", none elsewhere. llguidance's default allows any
-# whitespace anywhere, and a model can then pad spaces until its token limit (small models do); fixed separators
-# also make more of the answer forced, so free drafts. A schema's own "x-guidance" options override these.
-JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def grammar_from_response_format(value: object) -> str | None:

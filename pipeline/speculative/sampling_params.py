@@ -24,6 +24,11 @@ class SamplingParams:
         return self.temperature == 0
 
 
+# response_format's JSON laid out as json.dumps writes it (llguidance's JSON options): one space after "," and ":",
+# none elsewhere. llguidance's default allows any whitespace anywhere, and a model can then pad spaces until its token
+# limit (small models do); fixed separators also make more of the answer forced, so free drafts. A schema's own
+# "x-guidance" options override these. Here, without torch, so the OpenAI proxy's forced tool calls share it.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 PENALTY_LIMIT = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
 # repetition_penalty's range: a logit divided by 1e-39 is +inf, and the distribution NaN; 100 already pins a repeat.

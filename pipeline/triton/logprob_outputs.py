@@ -14,10 +14,9 @@ def logprobs_json(entries, tokenizer) -> bytes:
     """TokenLogprobs (or None: not asked for) -> the output's UTF-8 JSON text (b"" when not asked for)."""
     if entries is None:
         return b""
-
-    def text(token: int) -> str:
-        return tokenizer.decode([token]) if tokenizer is not None else ""
-
-    rows = [[entry.token, text(entry.token), entry.logprob, [[t, text(t), value] for t, value in entry.top]]
-            for entry in entries]
+    ids = sorted({entry.token for entry in entries} | {t for entry in entries for t, _ in entry.top})
+    # One batched decode per step: this runs on the engine's thread, and a step may carry 5 tokens x 21 ids.
+    texts = dict(zip(ids, tokenizer.batch_decode([[t] for t in ids]))) if tokenizer is not None and ids else {}
+    rows = [[entry.token, texts.get(entry.token, ""), entry.logprob,
+             [[t, texts.get(t, ""), value] for t, value in entry.top]] for entry in entries]
     return json.dumps(rows, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from ...methods import GRAMMAR_PROPOSER
+
 from ..step_batch import StepBatch
 from .base import Proposer
 
-GRAMMAR = "grammar"  # the proposer's name in the statistics (by_proposer)
-
-
 class GrammarProposer(Proposer):
-    method = GRAMMAR  # type: ignore[assignment]  # not a speculative.method: it runs beside every method
+    method = GRAMMAR_PROPOSER  # type: ignore[assignment]  # not a speculative.method: it runs beside every method
 
     def __init__(self, vocab_size: int, device: torch.device, engine_draft_len: int):
         self.vocab_size = vocab_size
