@@ -165,9 +165,17 @@ class Ends:
 
 
 async def _all(awaitables) -> list:
-    """gather() inside a task of its own: Ends.first cancels that task, which then reads as cancelled (a bare
-    gather future cancelled ends with a CancelledError result instead)."""
-    return await asyncio.gather(*awaitables)
+    """Every awaitable's result, in a task of its own (Ends.first cancels that task, which then reads as cancelled;
+    a bare gather future ends with a CancelledError result instead). When one raises, the others are cancelled and
+    waited for before the error goes on: gather alone leaves them running, and closing a choice's Triton stream
+    while its task still reads it fails ("asynchronous generator is already running")."""
+    tasks = [asyncio.ensure_future(awaitable) for awaitable in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _collect(generation: Generation) -> str:

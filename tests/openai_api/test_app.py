@@ -123,3 +123,31 @@ def test_streamed_logprobs_with_tools_are_each_sent_once():
     assert sorted(entries) == [-1.5, -1.0, -0.5]  # each token's once
     calls = [d for b in bodies for c in b["choices"] for d in c.get("delta", {}).get("tool_calls", [])]
     assert calls and calls[0]["function"]["name"] == "f" and bodies[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_choice_refused_at_its_start_ends_the_others_cleanly():
+    """n choices start together; one the model refuses raises its 400 while the others still wait for their first
+    step: those are cancelled before their streams are closed (closing a stream a task still reads fails)."""
+    from pipeline.openai_api.app import _all, _close
+    from pipeline.openai_api.errors import ApiError
+    from pipeline.openai_api.generation import Generation
+    from pipeline.openai_api.protocol import GenerationRequest
+
+    class OneRefused:
+        async def steps(self, inputs):
+            if inputs["seed"] == 1:
+                raise ApiError(400, "response_format: too large", param="response_format")
+            await asyncio.Event().wait()  # never answers
+            yield None
+
+    async def start() -> int:
+        parsed = GenerationRequest(chat=True, inputs={"seed": 0}, n=3)
+        generations = [Generation(OneRefused(), parsed, index) for index in range(3)]
+        try:
+            await _all(g.start() for g in generations)
+        except ApiError as exc:
+            await _close(generations)
+            return exc.status
+        return 200
+
+    assert asyncio.run(asyncio.wait_for(start(), 10)) == 400
