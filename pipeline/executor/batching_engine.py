@@ -131,12 +131,15 @@ class BatchingEngine:
         # own packed copy of the weights; a wider forward (a prompt chunk, a full batch's verify) runs eager.
         max_width = capped_width(max_batch * self.spare, compile_max_width)
 
-        def runner(model, follow=None, aux=()):
+        def runner(model, follow=None, aux=(), extra=()):
             return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,
                                     self.kv.prefix_reuse, bool(compile), max_width=max_width,
-                                    autotune=compile == "max-autotune", aux_layers=aux, follow=follow)
+                                    autotune=compile == "max-autotune", aux_layers=aux, follow=follow,
+                                    extra_widths=extra)
 
-        self.target = runner(target_model, aux=_aux_layers(aux_layers, eagle3))
+        # One request's full verify gets a graph of its own width: padded to the next power of two it would cost
+        # that width's products (5 tokens as 8).
+        self.target = runner(target_model, aux=_aux_layers(aux_layers, eagle3), extra=(self.spare,))
         # The draft's KV lives in the target's blocks: one pool, one limit, one admission decision.
         self.draft = runner(draft_model, follow=self.target) if draft_model is not None else None
         self.max_blocks = max_blocks

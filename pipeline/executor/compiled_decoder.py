@@ -2,12 +2,13 @@
 disk so the next start loads them in seconds.
 
 A step's packed width T (a decode's one token per row, a verify's K + 1, a prompt chunk's many) is padded up to a
-bucket, a power of two, and each bucket runs its own static graph: the matrix products specialise to their width
-and nothing in the graph depends on the rows, their lengths or their trees. Those vary every step and live in the
-attention plan, which the graph never sees: attention is the opaque ``specpipe::paged_attention`` operator (see
-paged_attention.py), which the compiled code calls back into, and padding writes no KV. The final norm and the LM
-head run over as many positions as the bucket is wide (the ones whose logits are read, then repeats): at these
-widths the LM head streams its weights once whatever the count, and one graph per bucket holds one copy of them.
+bucket, a power of two or the engine's own verify width, and each bucket runs its own static graph: the matrix
+products specialise to their width and nothing in the graph depends on the rows, their lengths or their trees.
+Those vary every step and live in the attention plan, which the graph never sees: attention is the opaque
+``specpipe::paged_attention`` operator (see paged_attention.py), which the compiled code calls back into, and
+padding writes no KV. The final norm and the LM head run over as many positions as the bucket is wide (the ones
+whose logits are read, then repeats): at these widths the LM head streams its weights once whatever the count, and
+one graph per bucket holds one copy of them.
 
 With ``freeze`` the weights are folded in as constants (inductor's freezing) and packed for the CPU's matrix
 kernels, which is where the gain over eager comes from; each bucket's graph holds its own packed copy (in memory
@@ -56,12 +57,12 @@ PACKAGE_SETTINGS = {"aot_inductor.package_constants_in_so": False,
                     "aot_inductor.package_constants_on_disk_format": "binary_blob"}
 
 
-def buckets(max_width: int) -> list[int]:
-    """Powers of two from 1 to the first one holding ``max_width``."""
+def buckets(max_width: int, extra: tuple[int, ...] = ()) -> list[int]:
+    """Powers of two from 1 to the first one holding ``max_width``, with the ``extra`` widths below that."""
     out = [1]
     while out[-1] < max_width:
         out.append(out[-1] * 2)
-    return out
+    return sorted(set(out) | {width for width in extra if 0 < width < out[-1]})
 
 
 def capped_width(widest: int, cap: int) -> int:
@@ -127,11 +128,13 @@ class CompiledDecoder:
     """LlamaDecoder.step through the bucket graphs: the inputs padded up to a bucket, the outputs cut back."""
 
     def __init__(self, decoder: LlamaDecoder, max_width: int, freeze: bool = True, autotune: bool = False,
-                 store: Path | None = None):
-        """``store``: the folder the packages are kept under (default_store() when None)."""
+                 store: Path | None = None, extra_widths: tuple[int, ...] = ()):
+        """``store``: the folder the packages are kept under (default_store() when None); ``extra_widths``: widths
+        compiled as buckets of their own besides the powers of two (a verify's K + 1, which would otherwise pay
+        for the next power of two: 5 tokens as 8)."""
         self.decoder = decoder
         decoder.kernels = KernelPlan()  # inductor picks the kernels of its own graph
-        self.sizes = buckets(max_width)
+        self.sizes = buckets(max_width, extra_widths)
         self.settings = {"freezing": freeze, "max_autotune": autotune}
         self.store = Path(store) if store is not None else default_store()
         self.folder: Path | None = None  # the packages of this decoder and settings (set by warm_up)

@@ -121,11 +121,11 @@ def cpu_model() -> str:
 
 
 def _read_plan(path: Path) -> KernelPlan | None:
+    data = read_saved(path)
     try:
-        data = json.loads(path.read_text())
         by_width = {int(w): kind for w, kind in data["by_width"].items()}
         times = {(kind, int(w)): float(ms) for kind, w, ms in data["times_ms"]}
-    except (OSError, ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, AttributeError):
         return None  # absent or unreadable: measure again
     if not set(by_width.values()) <= set(KINDS):
         return None
@@ -133,13 +133,25 @@ def _read_plan(path: Path) -> KernelPlan | None:
 
 
 def _write_plan(path: Path, plan: KernelPlan) -> None:
-    data = {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
-            "times_ms": [[kind, w, ms] for (kind, w), ms in plan.times_ms.items()]}
+    save(path, {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
+                "times_ms": [[kind, w, ms] for (kind, w), ms in plan.times_ms.items()]})
+
+
+def read_saved(path: Path) -> dict | None:
+    """A measured plan's JSON as save wrote it, or None when absent or unreadable."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save(path: Path, data: dict) -> None:
+    """Keep a measured plan's JSON at ``path``; a reader sees the whole file or none."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(data) + "\n")
-        os.replace(tmp, path)  # a reader sees the whole file or none
+        os.replace(tmp, path)
     except OSError:
         pass  # a read-only home: the plan still holds for this process
 

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..decoder_support import LEAN, MODULES
-from . import llama_decoder, paged_attention
+from . import attention_choice, llama_decoder, paged_attention
 from .compiled_decoder import CompiledDecoder
 from .paged_kv_cache import PagedKVCache
 
@@ -31,7 +31,8 @@ def use_paged_attention(model) -> None:
 class BatchModelRunner:
     def __init__(self, model, device: str | torch.device, max_tokens: int, block_size: int, max_blocks: int,
                  reuse: bool = True, compile: bool = False, lean: bool = True, max_width: int = 256,
-                 autotune: bool = False, aux_layers: tuple[int, ...] = (), follow: BatchModelRunner | None = None):
+                 autotune: bool = False, aux_layers: tuple[int, ...] = (), follow: BatchModelRunner | None = None,
+                 extra_widths: tuple[int, ...] = ()):
         """``max_tokens``: positions one sequence may hold; ``max_blocks`` blocks of ``block_size`` tokens: the
         KV memory limit; ``reuse``: share the KV of prompts' common prefixes across requests; ``lean``: run a
         Llama-family model on the lean decoder (False: always through the Hugging Face modules); ``compile``:
@@ -41,7 +42,7 @@ class BatchModelRunner:
         every token it computes, prompt chunks included, in ``aux_hidden`` (what an EAGLE-style drafter reads).
         ``follow``: the runner of the model this one drafts for; this one's KV then lives in that runner's blocks
         (PagedKVCache.companion), a sequence is opened there first, and ``max_blocks``/``reuse`` are that
-        runner's."""
+        runner's. ``extra_widths``: compiled widths besides the powers of two (CompiledDecoder)."""
         self.model = model
         self.device = torch.device(device)
         use_paged_attention(model)
@@ -52,6 +53,7 @@ class BatchModelRunner:
         self.dtype = next(model.parameters()).dtype
         self.cache = follow.cache.companion(preallocate=compile) if follow is not None else \
             PagedKVCache(block_size, max_blocks, max_tokens, reuse, preallocate=compile)
+        self.cache.attention = attention_choice.for_model(model, self.device)
         # A prepared 4D mask makes transformers skip its own mask building; the plan carries the real masks.
         self._no_mask = torch.zeros(1, 1, 1, 1, dtype=self.dtype, device=self.device)
         self.aux_layers = _checked_aux_layers(aux_layers, model.config.get_text_config().num_hidden_layers)
@@ -66,7 +68,8 @@ class BatchModelRunner:
         self.compiled: CompiledDecoder | None = None
         if self._decoder is not None and compile:
             with torch.inference_mode():
-                self.compiled = CompiledDecoder(self._decoder, max_width, autotune=autotune)
+                self.compiled = CompiledDecoder(self._decoder, max_width, autotune=autotune,
+                                                extra_widths=extra_widths)
                 self.compiled.warm_up()
         if self._decoder is None:
             self._forward = torch.compile(self._call, dynamic=True) if compile else self._call

@@ -25,11 +25,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from .attention_choice import KERNELS
 
 ATTENTION_NAME = "specpipe_paged"
 
@@ -45,6 +46,7 @@ class AttentionGroup:
     mask: Tensor  # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere
     # The group is the whole forward, rows of equal width in packed order: queries and outputs are views, no copies
     dense: bool = False
+    kernel: str = "sdpa"  # an attention_choice.KERNELS name: what computes this group's attention
 
 
 @dataclass
@@ -122,9 +124,8 @@ def attend(plan: ForwardPlan, query: Tensor, key: Tensor, value: Tensor, scaling
         flat = group.blocks.reshape(-1)
         k = key.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, L, d]
         v = value.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)
-        # Grouped-query attention inside SDPA: copying each KV head for its query heads costs 4x the attention.
-        result = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling,
-                                                enable_gqa=kv_heads != heads)  # [n, heads, W, d]
+        # Both kernels attend grouped-query without copying each KV head for its query heads (4x the attention).
+        result = KERNELS[group.kernel](q, k, v, group.mask, scaling)  # [n, heads, W, d]
         if group.dense:
             return result.transpose(1, 2).reshape(1, n * width, heads, dim)
         out[group.tokens] = result.transpose(1, 2).reshape(n * width, heads, dim)[group.slots]

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from transformers import Cache
 
+from .attention_choice import AttentionPlan
 from .block_pool import BlockPool
 from .paged_attention import AttentionGroup, ForwardPlan
 
@@ -86,6 +87,8 @@ class PagedKVCache(Cache):
         self.lengths: dict[object, int] = {}  # sequence -> tokens whose KV is in its blocks
         self.write_slots: Tensor | None = None  # set by prepare() for the forward about to run: [T]
         self.filled: dict[int, int] = {}  # companion: block -> its generation when this cache's KV in it was final
+        # The attention kernel per query width (set by the runner from attention_choice for its model's heads)
+        self.attention = AttentionPlan()
 
     def companion(self, preallocate: bool = False) -> PagedKVCache:
         """A cache for another model's KV (a draft's, with its own layer shapes) in this cache's blocks: it opens a
@@ -239,7 +242,7 @@ class PagedKVCache(Cache):
         dense = bool(valid.all()) and len(members) == counts.shape[0] and \
             bool((offsets == torch.arange(len(members)) * width).all())
         return AttentionGroup(query_index.to(device), slots.to(device), query_index.flatten()[slots].to(device),
-                              table.to(device), mask[:, None].to(device), dense)
+                              table.to(device), mask[:, None].to(device), dense, self.attention.kind(width))
 
     def advance(self, seq, count: int) -> None:
         self.lengths[seq] += count

@@ -29,6 +29,12 @@ def test_buckets_are_powers_of_two_up_to_the_widest_forward():
         bucket(17, buckets(16))
 
 
+def test_an_extra_width_is_a_bucket_of_its_own_below_the_widest():
+    assert buckets(8, (5,)) == [1, 2, 4, 5, 8] and bucket(5, buckets(8, (5,))) == 5
+    assert buckets(8, (4, 8)) == [1, 2, 4, 8]  # already a power of two: compiled once
+    assert buckets(4, (5,)) == [1, 2, 4]  # past the widest bucket: the cap holds
+
+
 def test_no_bucket_is_wider_than_the_cap():
     assert buckets(capped_width(5, 16)) == [1, 2, 4, 8]  # every row's verify fits under the cap
     assert buckets(capped_width(40, 16)) == [1, 2, 4, 8, 16]

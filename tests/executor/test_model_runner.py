@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
+from pipeline.executor import attention_choice
+from pipeline.executor.attention_choice import KERNELS, AttentionPlan
 from pipeline.executor.model_runner import BatchModelRunner
 
 
@@ -28,13 +30,15 @@ def _reference(model, ids):
     return model(torch.tensor([ids])).logits[0]  # [len, V]
 
 
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama-gqa", "gpt2"])
-def test_chunks_of_any_size_beside_other_rows_match_hf(make):
+def test_chunks_of_any_size_beside_other_rows_match_hf(make, kernel):
     model = make()
     gen = torch.Generator().manual_seed(1)
     long, short, other = (torch.randint(0, 100, (n,), generator=gen).tolist() for n in (45, 9, 30))
     expected = {name: _reference(model, ids) for name, ids in (("long", long), ("short", short), ("other", other))}
     runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    runner.cache.attention = AttentionPlan({16: kernel})  # the short rows' group; chunks past 16 keep SDPA
     got = {name: [] for name in expected}
     for name, ids in (("long", long), ("short", short), ("other", other)):
         runner.open(name, ids)
@@ -53,6 +57,14 @@ def test_chunks_of_any_size_beside_other_rows_match_hf(make):
     for name in expected:
         assert torch.allclose(torch.cat(got[name]), expected[name], atol=1e-4), name
     assert runner.cache.lengths == {"long": 45, "short": 9, "other": 30}
+
+
+def test_the_runner_measures_the_attention_kernels_for_its_heads():
+    runner = BatchModelRunner(_llama(), "cpu", max_tokens=64, block_size=8, max_blocks=16)
+    assert set(runner.cache.attention.by_width) == set(attention_choice.WIDTHS)
+    runner.open("a", [1, 2, 3])
+    _, plan = runner.cache.prepare(["a"], [3], torch.device("cpu"), torch.float32)
+    assert plan.groups[0].kernel == runner.cache.attention.kind(3)
 
 
 def test_a_reused_prefix_gives_the_same_logits_as_computing_it():

@@ -95,6 +95,17 @@ def test_compiled_executor_matches_eager(pair, reference, tmp_path, monkeypatch)
     assert ex.target.compiled.eager_calls <= 2
 
 
+def test_the_targets_verify_width_is_compiled_as_its_own_bucket(pair, monkeypatch):
+    from pipeline.executor.compiled_decoder import CompiledDecoder
+
+    monkeypatch.setattr(CompiledDecoder, "warm_up", lambda self: 0.0)  # the bucket set, not the compiling
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_seq_len=64, compile=True, max_batch_size=2,
+                             compile_max_width=8)
+    assert ex.target.compiled.sizes == [1, 2, 4, 5, 8]  # a 5-token verify does not pay for 8
+    assert ex.draft.compiled.sizes == [1, 2, 4, 8]
+
+
 def test_target_only_is_plain_decoding(pair, reference):
     target, draft, tok = pair
     ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4)

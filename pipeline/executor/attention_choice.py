@@ -1,0 +1,170 @@
+"""Which attention kernel a group of rows of a given query width uses, measured on this machine once per head shape.
+
+A decode or verify step asks attention for a few queries per row against every key the row holds. On a CPU,
+``F.scaled_dot_product_attention`` runs its flash kernel for that, which is built for many queries: in bfloat16 on
+an AMD EPYC (2 threads, 9 query and 3 KV heads of 64) one query against 400 keys took 180-200 us and against 1024
+keys 490-540 us, where the same attention written as two grouped matrix products and a float32 softmax took 60-80
+us; in float32 the flash kernel was the faster one at one query. Across a model's layers that is milliseconds of a
+step, so nothing is hard-coded: both forms are timed per query width over the head shape and dtype the engine runs,
+and the grouped form is used where it is clearly faster. Prompt chunks (wider than any measured width) and CUDA
+keep SDPA. Both forms compute the same attention; they round differently (the grouped one as Hugging Face's eager
+attention does: products in the model's dtype, softmax in float32).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .matmul_choice import MARGIN, plan_file, read_saved, save
+
+KINDS = ("sdpa", "grouped", "sdpa_f32")
+WIDTHS = (1, 2, 4, 8, 16)
+LENGTHS = (128, 512)  # keys a row attends over, timed at each (a chat's context is mostly in this range)
+ROUNDS = 5
+CALLS = 4  # per timing: one call is tens of microseconds, close to the timer's own noise on a shared machine
+
+
+def grouped_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """query [n, heads, W, d], key/value [n, kv_heads, L, d], mask [n, 1, W, L] additive -> [n, heads, W, d].
+    Query head h reads KV head h // (heads / kv_heads), as SDPA's ``enable_gqa``: the query heads of one KV head
+    are stacked into one matrix, so each KV head is read once and never copied per query head."""
+    n, heads, width, dim = query.shape
+    kv_heads, length = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    scale = dim ** -0.5 if scale is None else scale
+    scores = torch.matmul(query.reshape(n, kv_heads, group * width, dim), key.transpose(-1, -2))
+    # float32 from here: the 16-bit mask is promoted by the sum, not copied first
+    scores = scores.view(n, kv_heads, group, width, length).float() * scale + mask[:, :, None]
+    weights = torch.softmax(scores, dim=-1).to(value.dtype).view(n, kv_heads, group * width, length)
+    return torch.matmul(weights, value).view(n, heads, width, dim)
+
+
+def sdpa(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                          enable_gqa=key.shape[1] != query.shape[1])
+
+
+def sdpa_f32(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """SDPA on float32 copies (for 16-bit inputs): the float32 kernel for few queries can beat the 16-bit one by
+    more than the copies cost."""
+    out = sdpa(query.float(), key.float(), value.float(), mask.float(), scale)
+    return out.to(query.dtype)
+
+
+KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """The kernel per query width (a width runs as the narrowest measured width at least as wide; wider than
+    every one: SDPA); ``times_us`` what was measured ((kind, width) -> microseconds over LENGTHS)."""
+
+    by_width: dict[int, str] = field(default_factory=dict)
+    times_us: dict[tuple[str, int], float] = field(default_factory=dict)
+
+    def kind(self, width: int) -> str:
+        for measured in sorted(self.by_width):
+            if measured >= width:
+                return self.by_width[measured]
+        return "sdpa"
+
+    def to_dict(self) -> dict:
+        return {"by_width": {str(w): k for w, k in self.by_width.items()},
+                "us": {f"{k}@{w}": round(us, 1) for (k, w), us in self.times_us.items()}}
+
+
+def choose(times_us: dict[tuple[str, int], float]) -> dict[int, str]:
+    """Per width, SDPA unless another kernel takes under MARGIN of its time (then the fastest such): two kernels
+    within the noise of a shared machine would otherwise be picked by chance."""
+    chosen = {}
+    for width in sorted({w for _, w in times_us}):
+        other = min((kind for kind in KINDS[1:] if (kind, width) in times_us), key=lambda k: times_us[k, width])
+        chosen[width] = other if times_us[other, width] < MARGIN * times_us["sdpa", width] else "sdpa"
+    return chosen
+
+
+@torch.inference_mode()
+def measure(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, dim: int,
+            widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS
+            ) -> AttentionPlan:
+    """Time both kernels on one row at each width, summed over ``lengths`` keys, interleaved over ``rounds``,
+    keeping each one's best."""
+    cases = {}
+    for width in widths:
+        for length in lengths:
+            mask = torch.zeros(1, 1, width, length, dtype=dtype, device=device)
+            mask[..., length - width + 1:] = torch.finfo(dtype).min  # causal over the last keys, as a verify sees
+            cases[width, length] = (torch.randn(1, heads, width, dim, dtype=dtype, device=device),
+                                    torch.randn(1, kv_heads, length, dim, dtype=dtype, device=device),
+                                    torch.randn(1, kv_heads, length, dim, dtype=dtype, device=device), mask)
+    kinds = KINDS if dtype != torch.float32 else KINDS[:2]  # float32 copies of float32 are the same kernel
+    best: dict[tuple[str, int], float] = {}
+    for kind in kinds:  # warm-up: first calls allocate and pick their paths
+        KERNELS[kind](*cases[widths[0], lengths[0]], None)
+    for _ in range(rounds):
+        for width in widths:
+            for kind in kinds:
+                start = time.perf_counter()
+                for length in lengths:
+                    for _ in range(CALLS):
+                        KERNELS[kind](*cases[width, length], None)
+                elapsed = (time.perf_counter() - start) / CALLS * 1e6
+                best[kind, width] = min(best.get((kind, width), float("inf")), elapsed)
+    return AttentionPlan(choose(best), best)
+
+
+_PLANS: dict[tuple, AttentionPlan] = {}
+
+
+def for_model(model, device: torch.device | str) -> AttentionPlan:
+    """measured_once for a loaded Hugging Face causal LM's attention heads (SDPA throughout when its config does
+    not say them)."""
+    config = model.config.get_text_config()
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    hidden = getattr(config, "hidden_size", None)
+    dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    if not (heads and kv_heads and dim):
+        return AttentionPlan()
+    return measured_once(next(model.parameters()).dtype, device, heads, kv_heads, dim)
+
+
+def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv_heads: int, dim: int
+                  ) -> AttentionPlan:
+    """The plan for this head shape: SDPA throughout on CUDA (its fused kernels are the fast path there); on a CPU
+    measure(...), once per machine: kept for this process and on disk beside the matrix-kernel plans (delete the
+    file to measure again)."""
+    device = torch.device(device)
+    if device.type == "cuda" or heads % kv_heads:
+        return AttentionPlan()
+    key = ("attention", KINDS, str(dtype), str(device), heads, kv_heads, dim)  # a new kernel measures anew
+    if key not in _PLANS:
+        path = plan_file(key)
+        plan = _read_plan(path)
+        if plan is None:
+            plan = measure(dtype, device, heads, kv_heads, dim)
+            _write_plan(path, plan)
+        _PLANS[key] = plan
+    return _PLANS[key]
+
+
+def _read_plan(path) -> AttentionPlan | None:
+    data = read_saved(path)
+    try:
+        by_width = {int(w): kind for w, kind in data["by_width"].items()}
+        times = {(kind, int(w)): float(us) for kind, w, us in data["times_us"]}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return None  # absent or unreadable: measure again
+    if not set(by_width.values()) <= set(KINDS):
+        return None
+    return AttentionPlan(by_width, times)
+
+
+def _write_plan(path, plan: AttentionPlan) -> None:
+    save(path, {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
+                "times_us": [[kind, w, us] for (kind, w), us in plan.times_us.items()]})

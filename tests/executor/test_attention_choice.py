@@ -1,0 +1,116 @@
+"""pipeline/executor/attention_choice.py: every kernel computes SDPA's grouped-query attention under any mask, the
+plan takes a kernel only where it is clearly faster, and a measured plan is kept per head shape on disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.executor import attention_choice
+from pipeline.executor.attention_choice import KERNELS, AttentionPlan, choose
+
+
+def _inputs(dtype=torch.float32, n=2, heads=6, kv_heads=2, width=3, length=20, dim=8):
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(n, heads, width, dim, generator=gen).to(dtype)
+    key = torch.randn(n, kv_heads, length, dim, generator=gen).to(dtype)
+    value = torch.randn(n, kv_heads, length, dim, generator=gen).to(dtype)
+    # A ragged mask: row 0 causal over its last keys, row 1 a tree-like pattern (a node sees its root, not its
+    # sibling) and fewer keys (a shorter row padded to the group's blocks)
+    allowed = torch.ones(n, width, length, dtype=torch.bool)
+    allowed[0, :, length - width:] = torch.tril(torch.ones(width, width, dtype=torch.bool))
+    allowed[1, :, 12:] = False
+    allowed[1, 2, 10] = False
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+    return query, key, value, mask
+
+
+def _reference(query, key, value, mask, scale):
+    """Each query head against its own KV head (h // group), in float64."""
+    group = query.shape[1] // key.shape[1]
+    k = key.double().repeat_interleave(group, dim=1)
+    v = value.double().repeat_interleave(group, dim=1)
+    scores = query.double() @ k.transpose(-1, -2) * scale + mask.double()
+    return torch.softmax(scores, dim=-1) @ v
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_every_kernel_computes_grouped_query_attention(kind):
+    query, key, value, mask = _inputs()
+    out = KERNELS[kind](query, key, value, mask, 0.3)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    assert torch.allclose(out.double(), _reference(query, key, value, mask, 0.3), atol=1e-5)
+    # the default scale is SDPA's, 1/sqrt(d)
+    assert torch.allclose(KERNELS[kind](query, key, value, mask, None).double(),
+                          _reference(query, key, value, mask, 8 ** -0.5), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_every_kernel_keeps_16_bit_inputs_close_to_float32(kind):
+    query, key, value, mask = _inputs(torch.bfloat16)
+    out = KERNELS[kind](query, key, value, mask, 0.3)
+    assert out.dtype == torch.bfloat16
+    expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask.float(),
+                                              scale=0.3, enable_gqa=True)
+    assert (out.float() - expected).abs().max() < 0.03
+
+
+def test_the_plan_keeps_sdpa_unless_another_kernel_is_clearly_faster():
+    times = {("sdpa", 1): 300.0, ("grouped", 1): 120.0, ("sdpa_f32", 1): 80.0,  # the fastest of the others
+             ("sdpa", 2): 100.0, ("grouped", 2): 95.0, ("sdpa_f32", 2): 130.0,  # 5% faster: within the noise
+             ("sdpa", 8): 200.0, ("grouped", 8): 150.0}  # a float32 plan has no sdpa_f32
+    assert choose(times) == {1: "sdpa_f32", 2: "sdpa", 8: "grouped"}
+    plan = AttentionPlan(choose(times), times)
+    # a width runs as the narrowest measured width at least as wide; past them all (prompt chunks), SDPA
+    assert [plan.kind(w) for w in (1, 2, 3, 8, 9, 200)] == ["sdpa_f32", "sdpa", "grouped", "grouped", "sdpa", "sdpa"]
+    assert AttentionPlan().kind(1) == "sdpa"
+    assert plan.to_dict()["by_width"] == {"1": "sdpa_f32", "2": "sdpa", "8": "grouped"}
+
+
+def test_a_real_measurement_times_every_kernel_at_every_width():
+    plan = attention_choice.measure(torch.bfloat16, torch.device("cpu"), 4, 2, 8, widths=(1, 3), lengths=(16,),
+                                    rounds=1)
+    assert set(plan.times_us) == {(kind, w) for kind in KERNELS for w in (1, 3)}
+    assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(KERNELS)
+    float32 = attention_choice.measure(torch.float32, torch.device("cpu"), 4, 2, 8, widths=(1,), lengths=(16,),
+                                       rounds=1)
+    assert {kind for kind, _ in float32.times_us} == {"sdpa", "grouped"}  # float32 copies of float32: no third
+
+
+def test_a_head_shape_is_measured_once_and_kept_on_disk(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
+    calls = []
+
+    def measured(dtype, device, heads, kv_heads, dim):
+        calls.append((dtype, heads, kv_heads, dim))
+        return AttentionPlan({1: "grouped", 4: "sdpa"}, {("sdpa", 1): 2.0, ("grouped", 1): 1.0})
+
+    monkeypatch.setattr(attention_choice, "measure", measured)
+    monkeypatch.setattr(attention_choice, "_PLANS", {})
+    first = attention_choice.measured_once(torch.float32, "cpu", 8, 2, 16)
+    assert first.kind(1) == "grouped" and len(calls) == 1
+    assert attention_choice.measured_once(torch.float32, "cpu", 8, 2, 16) is first and len(calls) == 1
+    attention_choice.measured_once(torch.bfloat16, "cpu", 8, 2, 16)
+    assert len(calls) == 2  # another dtype is measured on its own
+    monkeypatch.setattr(attention_choice, "_PLANS", {})  # a new process reads the file back
+    assert attention_choice.measured_once(torch.float32, "cpu", 8, 2, 16) == first and len(calls) == 2
+    for saved in (tmp_path / "kernel-plans").glob("*.json"):
+        saved.write_text("{not json")  # a damaged file is measured again
+    monkeypatch.setattr(attention_choice, "_PLANS", {})
+    attention_choice.measured_once(torch.float32, "cpu", 8, 2, 16)
+    assert len(calls) == 3
+    # CUDA keeps SDPA without measuring (no GPU is needed to decide that)
+    assert attention_choice.measured_once(torch.float16, "cuda", 8, 2, 16) == AttentionPlan() and len(calls) == 3
+
+
+def test_a_models_heads_come_from_its_config(monkeypatch):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    seen = []
+    monkeypatch.setattr(attention_choice, "measured_once", lambda *args: seen.append(args[2:]) or AttentionPlan())
+    llama = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=6, num_key_value_heads=2))
+    attention_choice.for_model(llama, "cpu")
+    attention_choice.for_model(GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4)), "cpu")
+    assert seen == [(6, 2, 8), (4, 4, 8)]
