@@ -134,11 +134,9 @@ class BatchingEngine:
         def runner(model, follow=None, aux=(), extra=()):
             return BatchModelRunner(model, self.device, max_tokens + self.spare, self.kv.block_size, max_blocks,
                                     self.kv.prefix_reuse, bool(compile), max_width=max_width,
-                                    autotune=compile == "max-autotune", aux_layers=aux, follow=follow,
-                                    extra_widths=extra)
+                                    autotune=compile == "max-autotune", aux_layers=aux, follow=follow, extra_widths=extra)
 
-        # One request's full verify gets a graph of its own width: padded to the next power of two it would cost
-        # that width's products (5 tokens as 8).
+        # A request's full verify gets a graph of its own width (padded to a power of two, 5 tokens cost 8).
         self.target = runner(target_model, aux=_aux_layers(aux_layers, eagle3), extra=(self.spare,))
         # The draft's KV lives in the target's blocks: one pool, one limit, one admission decision.
         self.draft = runner(draft_model, follow=self.target) if draft_model is not None else None
