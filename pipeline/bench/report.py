@@ -28,14 +28,14 @@ def add_memory_bound(records: list[dict], executor):
 
 
 def runner_info(executor) -> dict | None:
-    """Per role, the model runner and (lean decoder) the matrix product it measured per forward width; None for
-    the TensorRT-LLM executor."""
+    """Per role, the model runner, (lean decoder) the matrix product it measured per forward width and the
+    attention kernel per query width; None for the TensorRT-LLM executor."""
     if not hasattr(executor, "engine"):
         return None
     runners = (("target", executor.target), ("draft", getattr(executor, "draft", None)))
     return {role: {"runner": r.runner, "why_not_lean": r.why_modules,
                    "kernels": r.kernels.to_dict() if r.kernels is not None else None,
-                   "compiled": _compiled(r)}
+                   "attention": r.cache.attention.to_dict(), "compiled": _compiled(r)}
             for role, r in runners if r is not None}
 
 
@@ -51,7 +51,8 @@ def _compiled(runner) -> dict | None:
 
 
 def runner_lines(info: dict | None) -> list[str]:
-    """One printed line per role: its runner and the product per width (``linear`` / ``w_xt``)."""
+    """One printed line per role: its runner, the product per width (``linear`` / ``w_xt``) and the attention
+    kernel per query width."""
     lines = []
     for role, facts in (info or {}).items():
         kernels = (facts["kernels"] or {}).get("by_width") or {}
@@ -62,8 +63,11 @@ def runner_lines(info: dict | None) -> list[str]:
             rerouted = {w: b for w, b in compiled.get("route", {}).items() if int(w) != b}
             if rerouted:  # a bucket slower than a wider one
                 products += "; run wider: " + ", ".join(f"{w} as {b}" for w, b in rerouted.items())
+        attention = ", ".join(f"{w}: {kind}" for w, kind in ((facts.get("attention") or {}).get("by_width") or {})
+                              .items()) or "SDPA at every width"
         lines.append(f"{role} runner: {facts['runner']}" + (f" ({facts['why_not_lean']})" if facts["why_not_lean"]
-                                                           else f"; matrix product by forward width: {products}"))
+                                                           else f"; matrix product by forward width: {products}")
+                     + f"; attention by query width: {attention}")
     return lines
 
 

@@ -43,7 +43,9 @@ class AttentionGroup:
     slots: Tensor  # [R] long, flat index (n * W + i) of each real query slot (padding outputs are dropped)
     tokens: Tensor  # [R] long, the packed token each real slot's output belongs to
     blocks: Tensor  # [n, B] long, each row's block table (padded with block 0; masked)
-    mask: Tensor  # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere
+    # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere (the model's dtype;
+    # float32 for the sdpa_f32 kernel)
+    mask: Tensor
     # The group is the whole forward, rows of equal width in packed order: queries and outputs are views, no copies
     dense: bool = False
     kernel: str = "sdpa"  # an attention_choice.KERNELS name: what computes this group's attention

@@ -46,8 +46,10 @@ class _PagedLayer:
         if self.keys is None or self.keys.shape[0] < owner.pool.capacity:
             self._grow(key_states)
         slots = owner.write_slots  # [T] flat position of each new token in the pool
-        self.keys.view(-1, *self.keys.shape[2:])[slots] = key_states[0].transpose(0, 1)
-        self.values.view(-1, *self.values.shape[2:])[slots] = value_states[0].transpose(0, 1)
+        # index_copy_ rather than item assignment: the same write, without indexing's argument parsing (it runs
+        # twice per layer per step)
+        self.keys.view(-1, *self.keys.shape[2:]).index_copy_(0, slots, key_states[0].transpose(0, 1))
+        self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, value_states[0].transpose(0, 1))
         return self.keys, self.values
 
     def _grow(self, like: Tensor) -> None:
@@ -237,12 +239,15 @@ class PagedKVCache(Cache):
                 root = int(counts[row]) - tree.size
                 start = int(starts[row]) + root
                 allowed[n, root:root + tree.size, start:start + tree.size] = tree.mask
+        kernel = self.attention.kind(width)
+        if kernel == "sdpa_f32":  # the kernel attends in float32: its mask is made so once, not cast per layer
+            dtype = torch.float32
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         slots = valid.flatten().nonzero().flatten()  # [R]
         dense = bool(valid.all()) and len(members) == counts.shape[0] and \
             bool((offsets == torch.arange(len(members)) * width).all())
         return AttentionGroup(query_index.to(device), slots.to(device), query_index.flatten()[slots].to(device),
-                              table.to(device), mask[:, None].to(device), dense, self.attention.kind(width))
+                              table.to(device), mask[:, None].to(device), dense, kernel)
 
     def advance(self, seq, count: int) -> None:
         self.lengths[seq] += count

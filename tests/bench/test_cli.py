@@ -44,7 +44,9 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     assert data["loaded_from"].startswith("engines")
     runner = {"runner": "lean", "why_not_lean": None, "kernels": {"by_width": {}, "ms": {}},  # tiny: not timed
               "compiled": None}  # runtime.torch_compile is off
+    attention = {role: data["runners"][role].pop("attention") for role in ("target", "draft")}
     assert data["runners"] == {"target": runner, "draft": runner}
+    assert all(set(plan["by_width"]) == {"1", "2", "4", "8", "16"} for plan in attention.values())  # measured
     assert "target runner: lean; matrix product by forward width: F.linear at every width" in printed.out
     for record in records:
         assert FIELDS <= record.keys(), FIELDS - record.keys()

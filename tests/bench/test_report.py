@@ -73,13 +73,17 @@ def test_runner_lines_say_the_runner_and_the_product_per_width():
                        "kernels": {"by_width": {"1": "linear", "2": "w_xt"}, "ms": {}}},
             "draft": {"runner": "hf-modules", "why_not_lean": "model_type 'gpt2' is not one of llama, mistral, qwen2",
                       "kernels": None}}
+    info["target"]["attention"] = {"by_width": {"1": "sdpa_f32", "4": "sdpa"}, "us": {}}
     assert runner_lines(info) == [
-        "target runner: lean; matrix product by forward width: 1: linear, 2: w_xt",
-        "draft runner: hf-modules (model_type 'gpt2' is not one of llama, mistral, qwen2)"]
+        "target runner: lean; matrix product by forward width: 1: linear, 2: w_xt; attention by query width: "
+        "1: sdpa_f32, 4: sdpa",
+        "draft runner: hf-modules (model_type 'gpt2' is not one of llama, mistral, qwen2); attention by query "
+        "width: SDPA at every width"]
     assert runner_lines(None) == []
     info["target"]["compiled"] = {"buckets": [1, 2, 4], "warm_up_s": 12.5, "eager_calls": 0,
                                   "route": {"1": 1, "2": 2, "4": 4}}
-    assert runner_lines(info)[0] == \
-        "target runner: lean; matrix product by forward width: compiled per width bucket [1, 2, 4] (warm-up 12.5 s)"
+    assert runner_lines(info)[0].startswith(
+        "target runner: lean; matrix product by forward width: compiled per width bucket [1, 2, 4] (warm-up 12.5 s);"
+        " attention")
     info["target"]["compiled"]["route"]["1"] = 2  # one row ran slower than two
-    assert runner_lines(info)[0].endswith("(warm-up 12.5 s); run wider: 1 as 2")
+    assert "(warm-up 12.5 s); run wider: 1 as 2; attention" in runner_lines(info)[0]
