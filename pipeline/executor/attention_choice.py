@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .matmul_choice import MARGIN, plan_file, read_saved, save
+from .matmul_choice import MARGIN, remembered
 
 KINDS = ("sdpa", "grouped", "sdpa_f32")
 WIDTHS = (1, 2, 4, 8, 16)
@@ -143,28 +143,5 @@ def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv
     if device.type == "cuda" or heads % kv_heads:
         return AttentionPlan()
     key = ("attention", KINDS, str(dtype), str(device), heads, kv_heads, dim)  # a new kernel measures anew
-    if key not in _PLANS:
-        path = plan_file(key)
-        plan = _read_plan(path)
-        if plan is None:
-            plan = measure(dtype, device, heads, kv_heads, dim)
-            _write_plan(path, plan)
-        _PLANS[key] = plan
-    return _PLANS[key]
-
-
-def _read_plan(path) -> AttentionPlan | None:
-    data = read_saved(path)
-    try:
-        by_width = {int(w): kind for w, kind in data["by_width"].items()}
-        times = {(kind, int(w)): float(us) for kind, w, us in data["times_us"]}
-    except (ValueError, KeyError, TypeError, AttributeError):
-        return None  # absent or unreadable: measure again
-    if not set(by_width.values()) <= set(KINDS):
-        return None
-    return AttentionPlan(by_width, times)
-
-
-def _write_plan(path, plan: AttentionPlan) -> None:
-    save(path, {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
-                "times_us": [[kind, w, us] for (kind, w), us in plan.times_us.items()]})
+    return remembered(_PLANS, key, AttentionPlan, "times_us", KINDS,
+                      lambda: measure(dtype, device, heads, kv_heads, dim))

@@ -90,14 +90,21 @@ def measured_once(weights: list[Tensor]) -> KernelPlan:
     and on disk (plan_file), so a second engine of the same model, or the next start, reuses the plan instead of
     timing again. Delete the file to measure again (say, after measuring on a busy machine)."""
     key = (weights[0].dtype, str(weights[0].device), tuple(tuple(w.shape) for w in weights))
-    if key not in _PLANS:
+    return remembered(_PLANS, key, KernelPlan, "times_ms", KINDS, lambda: measure(weights))
+
+
+def remembered(plans: dict, key: tuple, plan_type, times_field: str, kinds: tuple, measure_plan):
+    """The plan for ``key`` (a plan_type: ``by_width`` and the measured times in ``times_field``) from ``plans``
+    (this process), else from its file (plan_file), else ``measure_plan()``, then kept in both."""
+    if key not in plans:
         path = plan_file(key)
-        plan = _read_plan(path)
+        plan = _read_plan(path, plan_type, times_field, kinds)
         if plan is None:
-            plan = measure(weights)
-            _write_plan(path, plan)
-        _PLANS[key] = plan
-    return _PLANS[key]
+            plan = measure_plan()
+            _save(path, {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
+                         times_field: [[kind, w, t] for (kind, w), t in getattr(plan, times_field).items()]})
+        plans[key] = plan
+    return plans[key]
 
 
 def plan_file(key: tuple) -> Path:
@@ -120,38 +127,24 @@ def cpu_model() -> str:
     return platform.machine()
 
 
-def _read_plan(path: Path) -> KernelPlan | None:
-    data = read_saved(path)
+def _read_plan(path: Path, plan_type, times_field: str, kinds: tuple):
     try:
+        data = json.loads(path.read_text())
         by_width = {int(w): kind for w, kind in data["by_width"].items()}
-        times = {(kind, int(w)): float(ms) for kind, w, ms in data["times_ms"]}
-    except (ValueError, KeyError, TypeError, AttributeError):
+        times = {(kind, int(w)): float(t) for kind, w, t in data[times_field]}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None  # absent or unreadable: measure again
-    if not set(by_width.values()) <= set(KINDS):
+    if not set(by_width.values()) <= set(kinds):
         return None
-    return KernelPlan(by_width, times)
+    return plan_type(by_width, times)
 
 
-def _write_plan(path: Path, plan: KernelPlan) -> None:
-    save(path, {"by_width": {str(w): kind for w, kind in plan.by_width.items()},
-                "times_ms": [[kind, w, ms] for (kind, w), ms in plan.times_ms.items()]})
-
-
-def read_saved(path: Path) -> dict | None:
-    """A measured plan's JSON as save wrote it, or None when absent or unreadable."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def save(path: Path, data: dict) -> None:
-    """Keep a measured plan's JSON at ``path``; a reader sees the whole file or none."""
+def _save(path: Path, data: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
         tmp.write_text(json.dumps(data) + "\n")
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # a reader sees the whole file or none
     except OSError:
         pass  # a read-only home: the plan still holds for this process
 
