@@ -22,7 +22,7 @@ from ..artifacts import cache_root
 from .matmul_choice import cpu_model
 
 SOURCE = Path(__file__).with_name("native_attention.cpp")
-FLAGS = ["-O3", "-march=native", "-fopenmp"]  # OpenMP: at::parallel_for runs serially without it
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 log = logging.getLogger(__name__)
 _loaded: bool | None = None
 
@@ -45,8 +45,7 @@ def _load() -> bool:
     folder = cache_root() / "native" / name
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                           build_directory=str(folder),
+        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=FLAGS, build_directory=str(folder),
                            is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a read-only cache: the torch kernels remain
         log.warning("the C++ attention kernel could not be built (%s); attention uses the torch kernels",
