@@ -5,12 +5,10 @@ A decode or verify step asks attention for a few queries per row against every k
 an AMD EPYC (2 threads, 9 query and 3 KV heads of 64) one query against 400 keys took 180-200 us and against 1024
 keys 490-540 us, where the same attention written as two grouped matrix products and a float32 softmax took 60-80
 us; in float32 the flash kernel was the faster one at one query. Across a model's layers that is milliseconds of a
-step, so nothing is hard-coded: every kernel is timed per query width over the head shape and dtype the engine
-runs, and a kernel other than SDPA is used where it is clearly faster. The kernels: SDPA; the grouped products;
-SDPA on float32 copies of 16-bit inputs; and, where it could be built, the C++ kernel of native_attention.py, which
-reads the block pools in place. The torch kernels attend over a gathered copy of each row's blocks. Prompt chunks
-(wider than any measured width) and CUDA keep SDPA. All compute the same attention and round differently (the
-grouped one as Hugging Face's eager attention does: products in the model's dtype, softmax in float32).
+step, so nothing is hard-coded: both forms are timed per query width over the head shape and dtype the engine runs,
+and the grouped form is used where it is clearly faster. Prompt chunks (wider than any measured width) and CUDA
+keep SDPA. Both forms compute the same attention; they round differently (the grouped one as Hugging Face's eager
+attention does: products in the model's dtype, softmax in float32).
 """
 
 from __future__ import annotations
@@ -22,15 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import native_attention
 from .matmul_choice import MARGIN, remembered
 
-KINDS = ("sdpa", "grouped", "sdpa_f32", "native")
-FLOAT32_MASK = {"sdpa_f32", "native"}  # kernels that attend in float32 take their mask in float32
+KINDS = ("sdpa", "grouped", "sdpa_f32")
 WIDTHS = (1, 2, 4, 8, 16)
 LENGTHS = (128, 512)  # keys a row attends over, timed at each (a chat's context is mostly in this range)
 ROUNDS = 5
-BLOCK = 16  # tokens per KV block in the timed cases
 CALLS = 4  # per timing: one call is tens of microseconds, close to the timer's own noise on a shared machine
 
 
@@ -61,42 +56,7 @@ def sdpa_f32(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: flo
     return out.to(query.dtype)
 
 
-def gathered(key_pool: Tensor, value_pool: Tensor, blocks: Tensor) -> tuple[Tensor, Tensor]:
-    """The rows' keys and values [n, kv_heads, B * block_size, d] from the pools [blocks, block_size, kv_heads, d]
-    through the block tables ``blocks`` [n, B]."""
-    n, count = blocks.shape
-    size, kv_heads, dim = key_pool.shape[1:]
-    # index_select copies whole blocks row by row; advanced indexing (key_pool[blocks]) goes through the generic
-    # index kernel, 4x slower for the same bytes on a CPU, and it runs twice per layer per step.
-    flat = blocks.reshape(-1)
-    key = key_pool.index_select(0, flat).view(n, count * size, kv_heads, dim).transpose(1, 2)
-    value = value_pool.index_select(0, flat).view(n, count * size, kv_heads, dim).transpose(1, 2)
-    return key, value
-
-
-def _over_blocks(kernel):
-    """``kernel`` (over gathered keys and values) as a kernel over the pools and block tables."""
-    def paged(query: Tensor, key_pool: Tensor, value_pool: Tensor, blocks: Tensor, mask: Tensor,
-              scale: float | None) -> Tensor:
-        return kernel(query, *gathered(key_pool, value_pool, blocks), mask, scale)
-    return paged
-
-
-def _native(query: Tensor, key_pool: Tensor, value_pool: Tensor, blocks: Tensor, mask: Tensor,
-            scale: float | None) -> Tensor:
-    return native_attention.paged_attend(query, key_pool, value_pool, blocks, mask, scale)
-
-
-# name -> kernel(query [n, heads, W, d], key_pool, value_pool, blocks [n, B], mask [n, 1, W, B * block_size], scale)
-KERNELS = {"sdpa": _over_blocks(sdpa), "grouped": _over_blocks(grouped_attention),
-           "sdpa_f32": _over_blocks(sdpa_f32), "native": _native}
-
-
-def usable(dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels worth timing for ``dtype`` on this machine: float32 copies of float32 are SDPA itself, and the
-    C++ kernel only where it was built."""
-    return tuple(kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)
-                 and (kind != "native" or native_attention.available()))
+KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}
 
 
 @dataclass(frozen=True)
@@ -130,40 +90,29 @@ def choose(times_us: dict[tuple[str, int], float]) -> dict[int, str]:
 
 @torch.inference_mode()
 def measure(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, dim: int,
-            widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS,
-            kinds: tuple[str, ...] | None = None) -> AttentionPlan:
-    """Time ``kinds`` (default: usable(dtype)) on one row at each width, summed over ``lengths`` keys held in
-    blocks of BLOCK tokens, interleaved over ``rounds``, keeping each one's best."""
-    kinds = usable(dtype) if kinds is None else kinds
+            widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS
+            ) -> AttentionPlan:
+    """Time both kernels on one row at each width, summed over ``lengths`` keys, interleaved over ``rounds``,
+    keeping each one's best."""
     cases = {}
     for width in widths:
         for length in lengths:
-            count = -(-length // BLOCK)
-            pools = [torch.randn(count + 1, BLOCK, kv_heads, dim, dtype=dtype, device=device) for _ in range(2)]
-            blocks = torch.arange(count, 0, -1, device=device)[None]  # not in pool order, as after reuse
-            masks = {}
-            for mask_dtype in (dtype, torch.float32):
-                mask = torch.zeros(1, 1, width, count * BLOCK, dtype=mask_dtype, device=device)
-                mask[..., length - width + 1:] = torch.finfo(mask_dtype).min  # causal over the last keys, as a verify
-                masks[mask_dtype] = mask
-            query = torch.randn(1, heads, width, dim, dtype=dtype, device=device)
-            cases[width, length] = (query, *pools, blocks, masks)
+            mask = torch.zeros(1, 1, width, length, dtype=dtype, device=device)
+            mask[..., length - width + 1:] = torch.finfo(dtype).min  # causal over the last keys, as a verify sees
+            cases[width, length] = (torch.randn(1, heads, width, dim, dtype=dtype, device=device),
+                                    torch.randn(1, kv_heads, length, dim, dtype=dtype, device=device),
+                                    torch.randn(1, kv_heads, length, dim, dtype=dtype, device=device), mask)
+    kinds = KINDS if dtype != torch.float32 else KINDS[:2]  # float32 copies of float32 are the same kernel
     best: dict[tuple[str, int], float] = {}
-
-    def call(kind, case):
-        query, key_pool, value_pool, blocks, masks = case
-        mask = masks[torch.float32 if kind in FLOAT32_MASK else dtype]
-        KERNELS[kind](query, key_pool, value_pool, blocks, mask, None)
-
     for kind in kinds:  # warm-up: first calls allocate and pick their paths
-        call(kind, cases[widths[0], lengths[0]])
+        KERNELS[kind](*cases[widths[0], lengths[0]], None)
     for _ in range(rounds):
         for width in widths:
             for kind in kinds:
                 start = time.perf_counter()
                 for length in lengths:
                     for _ in range(CALLS):
-                        call(kind, cases[width, length])
+                        KERNELS[kind](*cases[width, length], None)
                 elapsed = (time.perf_counter() - start) / CALLS * 1e6
                 best[kind, width] = min(best.get((kind, width), float("inf")), elapsed)
     return AttentionPlan(choose(best), best)
@@ -193,7 +142,6 @@ def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv
     device = torch.device(device)
     if device.type == "cuda" or heads % kv_heads:
         return AttentionPlan()
-    kinds = usable(dtype)
-    key = ("attention", kinds, str(dtype), str(device), heads, kv_heads, dim)  # another kernel set measures anew
-    return remembered(_PLANS, key, AttentionPlan, "times_us", kinds,
-                      lambda: measure(dtype, device, heads, kv_heads, dim, kinds=kinds))
+    key = ("attention", KINDS, str(dtype), str(device), heads, kv_heads, dim)  # a new kernel measures anew
+    return remembered(_PLANS, key, AttentionPlan, "times_us", KINDS,
+                      lambda: measure(dtype, device, heads, kv_heads, dim))

@@ -7,11 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.executor import attention_choice, native_attention
-from pipeline.executor.attention_choice import FLOAT32_MASK, KERNELS, AttentionPlan, choose
-
-# The C++ kernel is built on first use; without a compiler it is absent and the torch kernels are the set
-BUILT = [kind for kind in KERNELS if kind != "native" or native_attention.available()]
+from pipeline.executor import attention_choice
+from pipeline.executor.attention_choice import KERNELS, AttentionPlan, choose
 
 
 def _inputs(dtype=torch.float32, n=2, heads=6, kv_heads=2, width=3, length=20, dim=8):
@@ -29,23 +26,6 @@ def _inputs(dtype=torch.float32, n=2, heads=6, kv_heads=2, width=3, length=20, d
     return query, key, value, mask
 
 
-def _paged(kind, query, key, value, mask, scale, block_size=4):
-    """KERNELS[kind] over pools holding ``key``/``value`` [n, kv_heads, L, d] in shuffled blocks of ``block_size``
-    tokens, with a spare block the tables never name."""
-    n, kv_heads, length, dim = key.shape
-    count = length // block_size
-    order = torch.randperm(n * count + 1, generator=torch.Generator().manual_seed(3))
-    pools = []
-    for tensor in (key, value):
-        pool = torch.full((n * count + 1, block_size, kv_heads, dim), 7.0, dtype=tensor.dtype)
-        pool[order[:n * count]] = tensor.transpose(1, 2).reshape(n * count, block_size, kv_heads, dim)
-        pools.append(pool)
-    blocks = order[:n * count].view(n, count)
-    if kind in FLOAT32_MASK:
-        mask = mask.float().masked_fill(mask == torch.finfo(mask.dtype).min, torch.finfo(torch.float32).min)
-    return KERNELS[kind](query, *pools, blocks, mask, scale)
-
-
 def _reference(query, key, value, mask, scale):
     """Each query head against its own KV head (h // group), in float64."""
     group = query.shape[1] // key.shape[1]
@@ -55,21 +35,21 @@ def _reference(query, key, value, mask, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
-@pytest.mark.parametrize("kind", BUILT)
-def test_every_kernel_computes_grouped_query_attention_through_the_block_tables(kind):
+@pytest.mark.parametrize("kind", list(KERNELS))
+def test_every_kernel_computes_grouped_query_attention(kind):
     query, key, value, mask = _inputs()
-    out = _paged(kind, query, key, value, mask, 0.3)
+    out = KERNELS[kind](query, key, value, mask, 0.3)
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.allclose(out.double(), _reference(query, key, value, mask, 0.3), atol=1e-5)
     # the default scale is SDPA's, 1/sqrt(d)
-    assert torch.allclose(_paged(kind, query, key, value, mask, None).double(),
+    assert torch.allclose(KERNELS[kind](query, key, value, mask, None).double(),
                           _reference(query, key, value, mask, 8 ** -0.5), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", BUILT)
+@pytest.mark.parametrize("kind", list(KERNELS))
 def test_every_kernel_keeps_16_bit_inputs_close_to_float32(kind):
     query, key, value, mask = _inputs(torch.bfloat16)
-    out = _paged(kind, query, key, value, mask, 0.3)
+    out = KERNELS[kind](query, key, value, mask, 0.3)
     assert out.dtype == torch.bfloat16
     expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask.float(),
                                               scale=0.3, enable_gqa=True)
@@ -88,22 +68,21 @@ def test_the_plan_keeps_sdpa_unless_another_kernel_is_clearly_faster():
     assert plan.to_dict()["by_width"] == {"1": "sdpa_f32", "2": "sdpa", "8": "grouped"}
 
 
-def test_a_real_measurement_times_every_usable_kernel_at_every_width():
-    plan = attention_choice.measure(torch.bfloat16, torch.device("cpu"), 4, 2, 8, widths=(1, 3), lengths=(16, 40),
+def test_a_real_measurement_times_every_kernel_at_every_width():
+    plan = attention_choice.measure(torch.bfloat16, torch.device("cpu"), 4, 2, 8, widths=(1, 3), lengths=(16,),
                                     rounds=1)
-    assert set(plan.times_us) == {(kind, w) for kind in BUILT for w in (1, 3)}
-    assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(BUILT)
+    assert set(plan.times_us) == {(kind, w) for kind in KERNELS for w in (1, 3)}
+    assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(KERNELS)
     float32 = attention_choice.measure(torch.float32, torch.device("cpu"), 4, 2, 8, widths=(1,), lengths=(16,),
                                        rounds=1)
-    # float32 copies of float32 are SDPA itself: not timed
-    assert {kind for kind, _ in float32.times_us} == set(BUILT) - {"sdpa_f32"}
+    assert {kind for kind, _ in float32.times_us} == {"sdpa", "grouped"}  # float32 copies of float32: no third
 
 
 def test_a_head_shape_is_measured_once_and_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
     calls = []
 
-    def measured(dtype, device, heads, kv_heads, dim, kinds):
+    def measured(dtype, device, heads, kv_heads, dim):
         calls.append((dtype, heads, kv_heads, dim))
         return AttentionPlan({1: "grouped", 4: "sdpa"}, {("sdpa", 1): 2.0, ("grouped", 1): 1.0})
 

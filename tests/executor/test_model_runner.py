@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from pipeline.executor import attention_choice, native_attention
+from pipeline.executor import attention_choice
 from pipeline.executor.attention_choice import KERNELS, AttentionPlan
 from pipeline.executor.model_runner import BatchModelRunner
 
@@ -30,7 +30,7 @@ def _reference(model, ids):
     return model(torch.tensor([ids])).logits[0]  # [len, V]
 
 
-@pytest.mark.parametrize("kernel", [k for k in KERNELS if k != "native" or native_attention.available()])
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama-gqa", "gpt2"])
 def test_chunks_of_any_size_beside_other_rows_match_hf(make, kernel):
     model = make()
