@@ -6,11 +6,11 @@ verify-cost curve of a model on this machine (a verify of K draft tokens is a fo
 
 With --compile, the lean decoder compiled per width bucket is a third runner (its warm-up time is printed). With
 --sdpa-twins each lean runner is timed twice, with the attention kernels measured per width (attention_choice) and
-with SDPA at every width. The
-runners hold the same model (the lean one's fused matrices are the weights the modules read) and the same
---context tokens of KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best
-of --rounds rounds, the runners and widths interleaved in each (the machine is shared). Prints the CPU model, the
-lean decoder's measured product and attention kernel per width, and a table: ms per forward and its ratio to a 1-token forward.
+with SDPA at every width. The runners hold the same model (the lean one's fused matrices are the weights the
+modules read) and the same --context tokens of KV; each forward of W tokens is rolled back, so every width is timed
+at the same length. Best of --rounds rounds, the runners and widths interleaved in each (the machine is shared).
+Prints the CPU model, the lean decoder's measured product and attention kernel per width, and a table: ms per
+forward and its ratio to a 1-token forward.
 """
 
 from __future__ import annotations

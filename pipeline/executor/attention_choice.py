@@ -4,11 +4,12 @@ A decode or verify step asks attention for a few queries per row against every k
 ``F.scaled_dot_product_attention`` runs its flash kernel for that, which is built for many queries: in bfloat16 on
 an AMD EPYC (2 threads, 9 query and 3 KV heads of 64) one query against 400 keys took 180-200 us and against 1024
 keys 490-540 us, where the same attention written as two grouped matrix products and a float32 softmax took 60-80
-us; in float32 the flash kernel was the faster one at one query. Across a model's layers that is milliseconds of a
-step, so nothing is hard-coded: both forms are timed per query width over the head shape and dtype the engine runs,
-and the grouped form is used where it is clearly faster. Prompt chunks (wider than any measured width) and CUDA
-keep SDPA. Both forms compute the same attention; they round differently (the grouped one as Hugging Face's eager
-attention does: products in the model's dtype, softmax in float32).
+us, and SDPA on float32 copies of the inputs 83 us; in float32 the flash kernel was the faster one at one query.
+Across a model's layers that is milliseconds of a step, so nothing is hard-coded: the kernels (KERNELS) are timed
+per query width over the head shape and dtype the engine runs, and one other than SDPA is used where it is clearly
+faster. Prompt chunks (wider than any measured width) and CUDA keep SDPA. All compute the same attention and round
+differently (the grouped one as Hugging Face's eager attention does: products in the model's dtype, softmax in
+float32).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch import Tensor
 from .matmul_choice import MARGIN, remembered
 
 KINDS = ("sdpa", "grouped", "sdpa_f32")
+FLOAT32_MASK = {"sdpa_f32"}  # kernels that attend in float32 take their mask in float32 (made once per step)
 WIDTHS = (1, 2, 4, 8, 16)
 LENGTHS = (128, 512)  # keys a row attends over, timed at each (a chat's context is mostly in this range)
 ROUNDS = 5
@@ -59,6 +61,11 @@ def sdpa_f32(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: flo
 KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}
 
 
+def mask_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype kernel ``kind`` takes its mask in, for a model of ``dtype``."""
+    return torch.float32 if kind in FLOAT32_MASK else dtype
+
+
 @dataclass(frozen=True)
 class AttentionPlan:
     """The kernel per query width (a width runs as the narrowest measured width at least as wide; wider than
@@ -92,27 +99,29 @@ def choose(times_us: dict[tuple[str, int], float]) -> dict[int, str]:
 def measure(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, dim: int,
             widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS
             ) -> AttentionPlan:
-    """Time both kernels on one row at each width, summed over ``lengths`` keys, interleaved over ``rounds``,
-    keeping each one's best."""
+    """Time every kernel on one row at each width, summed over ``lengths`` keys, interleaved over ``rounds``,
+    keeping each one's best (sdpa_f32 not in float32, where it is SDPA itself)."""
+    kinds = [kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)]
     cases = {}
     for width in widths:
         for length in lengths:
-            mask = torch.zeros(1, 1, width, length, dtype=dtype, device=device)
-            mask[..., length - width + 1:] = torch.finfo(dtype).min  # causal over the last keys, as a verify sees
-            cases[width, length] = (torch.randn(1, heads, width, dim, dtype=dtype, device=device),
-                                    torch.randn(1, kv_heads, length, dim, dtype=dtype, device=device),
-                                    torch.randn(1, kv_heads, length, dim, dtype=dtype, device=device), mask)
-    kinds = KINDS if dtype != torch.float32 else KINDS[:2]  # float32 copies of float32 are the same kernel
+            tensors = [torch.randn(1, count, rows, dim, dtype=dtype, device=device)
+                       for count, rows in ((heads, width), (kv_heads, length), (kv_heads, length))]
+            for kind in kinds:  # each with its mask in the dtype the engine gives it (mask_dtype)
+                masking = mask_dtype(kind, dtype)
+                mask = torch.zeros(1, 1, width, length, dtype=masking, device=device)
+                mask[..., length - width + 1:] = torch.finfo(masking).min  # causal over the last keys, as a verify
+                cases[kind, width, length] = (*tensors, mask)
     best: dict[tuple[str, int], float] = {}
     for kind in kinds:  # warm-up: first calls allocate and pick their paths
-        KERNELS[kind](*cases[widths[0], lengths[0]], None)
+        KERNELS[kind](*cases[kind, widths[0], lengths[0]], None)
     for _ in range(rounds):
         for width in widths:
             for kind in kinds:
                 start = time.perf_counter()
                 for length in lengths:
                     for _ in range(CALLS):
-                        KERNELS[kind](*cases[width, length], None)
+                        KERNELS[kind](*cases[kind, width, length], None)
                 elapsed = (time.perf_counter() - start) / CALLS * 1e6
                 best[kind, width] = min(best.get((kind, width), float("inf")), elapsed)
     return AttentionPlan(choose(best), best)

@@ -43,8 +43,8 @@ class AttentionGroup:
     slots: Tensor  # [R] long, flat index (n * W + i) of each real query slot (padding outputs are dropped)
     tokens: Tensor  # [R] long, the packed token each real slot's output belongs to
     blocks: Tensor  # [n, B] long, each row's block table (padded with block 0; masked)
-    # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere (the model's dtype;
-    # float32 for the sdpa_f32 kernel)
+    # [n, 1, W, B * block_size] additive, 0 where the query may attend, the dtype's minimum elsewhere (in
+    # attention_choice.mask_dtype: the model's dtype, or float32 for a kernel that attends in float32)
     mask: Tensor
     # The group is the whole forward, rows of equal width in packed order: queries and outputs are views, no copies
     dense: bool = False
@@ -126,7 +126,7 @@ def attend(plan: ForwardPlan, query: Tensor, key: Tensor, value: Tensor, scaling
         flat = group.blocks.reshape(-1)
         k = key.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, L, d]
         v = value.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)
-        # Both kernels attend grouped-query without copying each KV head for its query heads (4x the attention).
+        # The kernels attend grouped-query without copying each KV head for its query heads (4x the attention).
         result = KERNELS[group.kernel](q, k, v, group.mask, scaling)  # [n, heads, W, d]
         if group.dense:
             return result.transpose(1, 2).reshape(1, n * width, heads, dim)

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 from transformers import Cache
 
-from .attention_choice import AttentionPlan
+from .attention_choice import AttentionPlan, mask_dtype
 from .block_pool import BlockPool
 from .paged_attention import AttentionGroup, ForwardPlan
 
@@ -240,8 +240,7 @@ class PagedKVCache(Cache):
                 start = int(starts[row]) + root
                 allowed[n, root:root + tree.size, start:start + tree.size] = tree.mask
         kernel = self.attention.kind(width)
-        if kernel == "sdpa_f32":  # the kernel attends in float32: its mask is made so once, not cast per layer
-            dtype = torch.float32
+        dtype = mask_dtype(kernel, dtype)  # made once per step here, not cast per layer
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)
         slots = valid.flatten().nonzero().flatten()  # [R]
         dense = bool(valid.all()) and len(members) == counts.shape[0] and \

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ...methods import GRAMMAR_PROPOSER
-
 from ..step_batch import StepBatch
 from .base import Proposer
 
