@@ -2,12 +2,14 @@
 verify-cost curve of a model on this machine (a verify of K draft tokens is a forward of K + 1).
 
     python scripts/step_cost.py MODEL_FOLDER [--dtype float32] [--int8] [--widths 1 2 3 4 5 8] [--threads 2]
-                                [--compile [max-autotune]] [--context N] [--sdpa-twins] [--json FILE]
+                                [--compile [max-autotune]] [--context N] [--sdpa-twins] [--linear-twins]
+                                [--json FILE]
 
 With --compile, the lean decoder compiled per width bucket is a third runner (its warm-up time is printed). With
 --sdpa-twins each lean runner is timed twice, with the attention kernels measured per width (attention_choice) and
-with SDPA at every width. The runners hold the same model (the lean one's fused matrices are the weights the
-modules read) and the same --context tokens of KV; each forward of W tokens is rolled back, so every width is timed
+with SDPA at every width; with --linear-twins the eager lean runner is timed again with F.linear at every width in
+place of the products measured per width (matmul_choice). The runners hold the same model (the lean one's fused
+matrices are the weights the modules read) and the same --context tokens of KV; each forward of W tokens is rolled back, so every width is timed
 at the same length. Best of --rounds rounds, the runners and widths interleaved in each (the machine is shared).
 Prints the CPU model, the lean decoder's measured product and attention kernel per width, and a table: ms per
 forward and its ratio to a 1-token forward.
@@ -31,11 +33,13 @@ SEQ = "seq"
 
 
 def open_runners(model, context: int, compile: bool | str = False, max_width: int = 8,
-                 sdpa_twins: bool = False) -> dict:
+                 sdpa_twins: bool = False, linear_twins: bool = False) -> dict:
     """The modules and the lean decoder, and with ``compile`` the lean decoder compiled per width bucket up to
     ``max_width`` (its warm-up is done here). ``sdpa_twins``: each lean runner also as a twin whose attention is
-    SDPA at every width (what the measured attention kernels are compared with)."""
+    SDPA at every width (what the measured attention kernels are compared with); ``linear_twins``: the eager lean
+    runner also as a twin whose products are F.linear at every width."""
     from pipeline.executor.attention_choice import AttentionPlan
+    from pipeline.executor.matmul_choice import KernelPlan
     from pipeline.executor.model_runner import BatchModelRunner
 
     vocab = model.get_output_embeddings().weight.shape[0]
@@ -45,12 +49,16 @@ def open_runners(model, context: int, compile: bool | str = False, max_width: in
         kinds.append(("compiled", {"compile": True, "max_width": max_width, "autotune": compile == "max-autotune"}))
     if sdpa_twins:
         kinds += [(f"{name}-sdpa", options) for name, options in kinds[1:]]
+    if linear_twins:
+        kinds.append(("lean-linear", {}))
     runners = {}
     for name, options in kinds:
         runner = BatchModelRunner(model, "cpu", max_tokens=context + 64, block_size=16,
                                   max_blocks=-(-context // 16) + 8, **options)
         if name.endswith("-sdpa"):
             runner.cache.attention = AttentionPlan()
+        if name == "lean-linear" and runner._decoder is not None:
+            runner._decoder.kernels = KernelPlan()
         runner.open(SEQ, prompt)
         runner.forward([SEQ], [prompt], logits_for=[1])
         runners[name] = runner
@@ -85,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdpa-twins", action="store_true",
                         help="also time each lean runner with SDPA at every width in place of the measured "
                              "attention kernels")
+    parser.add_argument("--linear-twins", action="store_true",
+                        help="also time the eager lean runner with F.linear at every width in place of the measured "
+                             "products")
     parser.add_argument("--json", type=Path, default=None, help="write the table here too")
     args = parser.parse_args(argv)
     if any(w < 1 for w in args.widths) or args.rounds < 1 or args.context < 1:
@@ -98,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
         from pipeline.quantize import quantize_model
 
         quantize_model(model, "int8_weight_only")
-    runners = open_runners(model, args.context, args.compile, max(args.widths), args.sdpa_twins)
+    runners = open_runners(model, args.context, args.compile, max(args.widths), args.sdpa_twins,
+                           args.linear_twins)
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}" + (" int8 weights" if args.int8 else ""))
     lean = runners["lean"]
     default = "the int8 kernel" if args.int8 else "F.linear"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..executor import row_kernels
 from .spread import NOISY_SPREAD, best_variant
 
 SWEPT = ("speculative", "ngram")  # the methods whose best K the summary names
@@ -28,13 +29,14 @@ def add_memory_bound(records: list[dict], executor):
 
 
 def runner_info(executor) -> dict | None:
-    """Per role, the model runner, (lean decoder) the matrix product it measured per forward width and the
-    attention kernel per query width; None for the TensorRT-LLM executor."""
+    """Per role, the model runner, (lean decoder) the matrix product it measured per forward width (and whether
+    the rows kernel loaded) and the attention kernel per query width; None for the TensorRT-LLM executor."""
     if not hasattr(executor, "engine"):
         return None
     runners = (("target", executor.target), ("draft", getattr(executor, "draft", None)))
     return {role: {"runner": r.runner, "why_not_lean": r.why_modules,
                    "kernels": r.kernels.to_dict() if r.kernels is not None else None,
+                   "rows_kernel": row_kernels.state(),
                    "attention": r.cache.attention.to_dict(), "compiled": _compiled(r)}
             for role, r in runners if r is not None}
 
@@ -51,12 +53,14 @@ def _compiled(runner) -> dict | None:
 
 
 def runner_lines(info: dict | None) -> list[str]:
-    """One printed line per role: its runner, the product per width (``linear`` / ``w_xt``) and the attention
+    """One printed line per role: its runner, the product per width (``linear`` / ``w_xt`` / ``rows``) and the attention
     kernel per query width."""
     lines = []
     for role, facts in (info or {}).items():
         kernels = (facts["kernels"] or {}).get("by_width") or {}
         products = ", ".join(f"{width}: {kind}" for width, kind in kernels.items()) or "F.linear at every width"
+        if facts.get("rows_kernel") not in (None, "loaded", "not tried"):
+            products += f" (no rows kernel: {facts['rows_kernel']})"
         compiled = facts.get("compiled")
         if compiled:
             products = f"compiled per width bucket {compiled['buckets']} (warm-up {compiled['warm_up_s']} s)"

@@ -3,9 +3,11 @@
 The same weights cost very different times per width depending on the call: on one Xeon, bfloat16 ``F.linear`` takes
 26-27 ms over SmolLM2-135M's matrices at every width from 1 to 16 while ``W @ x.T`` takes 21-22 ms from width 2; in
 float32 ``F.linear`` wins. Which wins depends on the CPU, the dtype and the width (oneDNN, MKL and the generic
-kernels each pick their own paths), so nothing is hard-coded: the decoder times both forms over its own weights
-at the widths a decode or verify step has, and uses ``W @ x.T`` where it is clearly faster. Prompt chunks (wider than any measured
-width) use ``F.linear``. Both forms compute the same product; they may round differently.
+kernels each pick their own paths), so nothing is hard-coded: the decoder times the forms over its own weights at
+the widths a decode or verify step has, and uses another one than ``F.linear`` where it is clearly faster: ``W @ x.T``,
+or, on a CPU with AVX-512 where it builds, ``rows`` (row_kernels.py: each weight row read once for every input row).
+Prompt chunks (wider than any measured width) use ``F.linear``. The forms compute the same product; they may round
+differently.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..artifacts import cache_root
+from . import row_kernels
 
-KINDS = ("linear", "w_xt")
+KINDS = ("linear", "w_xt", "rows")
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 # Below this many weight bytes a step is overhead, not products, and timing them would only slow every start.
 MIN_BYTES = 64 << 20
@@ -36,11 +39,14 @@ MARGIN = 0.9
 
 def product(kind: str, x: Tensor, weight, bias: Tensor | None) -> Tensor:
     """x [T, in] times weight [out, in] (+ bias) -> [T, out], computed as ``kind`` says; a weight that is a module
-    (an int8 layer, which holds its bias) is called."""
+    (an int8 layer, which holds its bias) is called. ``rows`` is asked only for weights it takes (see kinds_for); a
+    forward wider than its widest runs F.linear."""
     if not isinstance(weight, Tensor):
         return weight(x)
     if kind == "linear":
         return F.linear(x, weight, bias)
+    if kind == "rows" and x.shape[0] <= row_kernels.MAX_ROWS:
+        return row_kernels.rows_mm(x, weight, bias)
     out = (weight @ x.T).T
     return out if bias is None else out + bias
 
@@ -64,22 +70,41 @@ def weight_bytes(weights: list[Tensor]) -> int:
     return sum(w.numel() * w.element_size() for w in weights)
 
 
+def kinds_for(weights: list[Tensor]) -> tuple[str, ...]:
+    """The kinds that can multiply every one of ``weights``: ``rows`` where its kernel loads here and takes them
+    all (one plan covers every matrix of a forward)."""
+    if all(row_kernels.supports(w.dtype, w) for w in weights) and row_kernels.unavailable() is None:
+        return KINDS
+    return tuple(kind for kind in KINDS if kind != "rows")
+
+
 @torch.inference_mode()
-def measure(weights: list[Tensor], widths: tuple[int, ...] = WIDTHS, rounds: int = ROUNDS) -> KernelPlan:
-    """Time every kind over ``weights`` (each [out, in]) at each width, interleaved over ``rounds``, keeping each
-    one's best; returns the plan that picks the fastest kind per width."""
+def measure(weights: list[Tensor], widths: tuple[int, ...] = WIDTHS, rounds: int = ROUNDS,
+            kinds: tuple[str, ...] | None = None) -> KernelPlan:
+    """Time each of ``kinds`` (default: kinds_for(weights)) over ``weights`` (each [out, in]) at each width,
+    interleaved over ``rounds``, keeping each one's best; returns the plan that picks the fastest kind per width
+    (``rows`` only up to its widest forward)."""
+    kinds = kinds_for(weights) if kinds is None else kinds
     inputs = {(w, n): torch.randn(w, n, dtype=weights[0].dtype, device=weights[0].device)
               for w in widths for n in {m.shape[1] for m in weights}}
     best: dict[tuple[str, int], float] = {}
-    for kind in KINDS:  # warm-up: first calls allocate and pick their kernels
+    for kind in kinds:  # warm-up: first calls allocate and pick their kernels
         _pass(kind, weights, inputs, widths[0])
     for _ in range(rounds):
         for width in widths:
-            for kind in KINDS:
+            for kind in kinds:
+                if kind == "rows" and width > row_kernels.MAX_ROWS:
+                    continue
                 elapsed = _pass(kind, weights, inputs, width)
                 best[kind, width] = min(best.get((kind, width), float("inf")), elapsed * 1e3)
-    by_width = {w: "w_xt" if best["w_xt", w] < MARGIN * best["linear", w] else "linear" for w in widths}
-    return KernelPlan(by_width, best)
+    return KernelPlan({width: _fastest(best, width) for width in widths}, best)
+
+
+def _fastest(best: dict[tuple[str, int], float], width: int) -> str:
+    """F.linear, unless another kind takes under MARGIN of its time (then the fastest of those)."""
+    others = [(ms, kind) for (kind, w), ms in best.items() if w == width and kind != "linear"]
+    ms, kind = min(others, default=(float("inf"), "linear"))
+    return kind if ms < MARGIN * best["linear", width] else "linear"
 
 
 _PLANS: dict[tuple, KernelPlan] = {}
@@ -89,8 +114,9 @@ def measured_once(weights: list[Tensor]) -> KernelPlan:
     """measure(weights), once per machine for matrices of the same shapes, dtype and device: kept for this process
     and on disk (plan_file), so a second engine of the same model, or the next start, reuses the plan instead of
     timing again. Delete the file to measure again (say, after measuring on a busy machine)."""
-    key = (weights[0].dtype, str(weights[0].device), tuple(tuple(w.shape) for w in weights))
-    return remembered(_PLANS, key, KernelPlan, "times_ms", KINDS, lambda: measure(weights))
+    kinds = kinds_for(weights)
+    key = (weights[0].dtype, str(weights[0].device), tuple(tuple(w.shape) for w in weights), kinds)
+    return remembered(_PLANS, key, KernelPlan, "times_ms", kinds, lambda: measure(weights, kinds=kinds))
 
 
 def remembered(plans: dict, key: tuple, plan_type, times_field: str, kinds: tuple, measure_plan):

@@ -10,6 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from pipeline.decoder_support import LEAN, MODULES, runner_for
+from pipeline.executor import row_kernels
 from pipeline.executor.llama_decoder import LlamaDecoder
 from pipeline.executor.matmul_choice import KernelPlan
 from pipeline.executor.model_runner import BatchModelRunner
@@ -142,8 +143,10 @@ def test_runner_for_reads_config_json(config, positions, quantization, reason):
     assert reason is None and why is None or reason in why, why
 
 
-@pytest.mark.parametrize("kind", ["linear", "w_xt"])
-def test_either_matrix_product_gives_the_modules_logits(kind):
+@pytest.mark.parametrize("kind", ["linear", "w_xt", "rows"])
+def test_every_matrix_product_gives_the_modules_logits(kind):
+    if kind == "rows" and row_kernels.unavailable():
+        pytest.skip(f"the rows kernel: {row_kernels.unavailable()}")
     model = VARIANTS["llama-biases"]()
     ids = list(range(3, 30))
     expected, _ = _hf(model, ids)

@@ -1,0 +1,105 @@
+"""A matrix product for the few rows of a decode or verify forward, in C++ for CPUs with AVX-512, built on first use.
+
+A decode step multiplies one row (a verify K + 1 rows) by every weight matrix: the time is the weights' bytes
+streamed from memory. aten's products are not written for that shape on every CPU: on one AMD EPYC, MKL's float32
+matrix-vector product streamed 16 GB/s at any thread count and oneDNN's bfloat16 one about 21 GB/s, where reading
+each weight row once with AVX-512 and multiplying it into every input row (``csrc/rows_mm.cpp``) streamed 29-40.
+Each output is one thread's float32 dot product, added up in the same order whatever the number of rows, so a
+token's result does not depend on its neighbours in the forward (tested).
+
+The kernel is one of the products matmul_choice times per width: it is used only where it measured faster on the
+machine, and a machine without AVX-512, a C++ compiler or ninja (torch's extension builder runs both) runs aten's
+products as before (``unavailable`` says why). The build (under half a minute on 2 cores) is kept under
+cache_root()/extensions, one folder per source, torch version and flags, so later starts load it in well under a
+second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from ..artifacts import cache_root
+
+SOURCE = Path(__file__).with_name("csrc") / "rows_mm.cpp"
+MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
+DTYPES = (torch.float32, torch.bfloat16)
+# The kernel's instructions; the build targets them, not the build machine (a cache folder may move between CPUs
+# of one kind, and the flags are part of the folder's name).
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+OFF_SWITCH = "SPECPIPE_NO_ROW_KERNEL"  # set (to anything) to keep aten's products: a debugging aid
+
+_state: dict[str, str | None] = {}  # "reason": why the kernel is unavailable (None: loaded), once per process
+
+
+def unavailable() -> str | None:
+    """Why the kernel cannot run in this process (a sentence), or None once it is loaded; the first call builds
+    or loads it."""
+    if "reason" not in _state:
+        _state["reason"] = _load()
+    return _state["reason"]
+
+
+def state() -> str:
+    """What this process knows of the kernel without trying it: "loaded", why it is unavailable, or "not tried"
+    (no product was measured: models under matmul_choice.MIN_BYTES and compiled runners never ask for it)."""
+    if "reason" not in _state:
+        return "not tried"
+    return _state["reason"] or "loaded"
+
+
+def supports(x_dtype: torch.dtype, weight: Tensor) -> bool:
+    """Whether rows_mm takes this weight (and inputs of ``x_dtype``); the caller checks the row count."""
+    return (isinstance(weight, Tensor) and weight.dtype in DTYPES and x_dtype == weight.dtype
+            and weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0
+            and weight.is_contiguous())
+
+
+def rows_mm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """x [M, K] (1 <= M <= MAX_ROWS) times weight [N, K] (+ bias) -> [M, N] in x's dtype."""
+    return torch.ops.specpipe_rows.rows_mm(x, weight, bias)
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _load() -> str | None:
+    if os.environ.get(OFF_SWITCH):
+        return f"turned off by {OFF_SWITCH}"
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs an x86-64 CPU with AVX-512 (this is {platform.machine()})"
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - _cpu_flags()
+    if missing:
+        return f"needs AVX-512 ({', '.join(sorted(missing))} missing on this CPU)"
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + f"{torch.__version__} {FLAGS}".encode()).hexdigest()[:16]
+    folder = cache_root() / "extensions" / f"rows_mm-{digest}"
+    try:
+        from torch.utils import cpp_extension
+
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # code this process will load: the owner's alone
+        # The builder locks the folder while it builds: a second process waits, then loads the same library.
+        cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(SOURCE)], build_directory=str(folder),
+                           extra_cflags=FLAGS, is_python_module=False, verbose=False)
+    except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build: aten's products still run
+        first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"its C++ build failed ({type(error).__name__}: {first[:200]})"
+    torch.library.register_fake("specpipe_rows::rows_mm")(_shape)
+    return None
+
+
+def _shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """What export and the compiler see of rows_mm: the output's shape and dtype."""
+    return x.new_empty(x.shape[0], weight.shape[0])

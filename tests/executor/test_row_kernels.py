@@ -1,0 +1,141 @@
+"""pipeline/executor/row_kernels.py: the C++ product for a few rows is F.linear's product, a row's result does not
+depend on the other rows or the thread count, what it cannot take is refused, and a machine where it cannot load
+says why and keeps aten's products."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipeline.executor import matmul_choice, row_kernels
+
+REASON = row_kernels.unavailable()
+needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"the rows kernel cannot run here: {REASON}")
+
+
+def _inputs(rows, dtype, n=37, k=48, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    return x, weight, bias
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_float32_is_f_linears_product(rows, with_bias):
+    x, weight, bias = _inputs(rows, torch.float32)
+    bias = bias if with_bias else None
+    got = row_kernels.rows_mm(x, weight, bias)
+    assert got.shape == (rows, 37) and got.dtype == torch.float32
+    assert torch.allclose(got, F.linear(x.double(), weight.double(), None if bias is None else bias.double()).float(),
+                          atol=1e-5, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 4, 16])
+def test_bfloat16_is_the_float32_product_of_the_bfloat16_numbers_rounded_once(rows):
+    x, weight, bias = _inputs(rows, torch.bfloat16, n=50, k=96)
+    got = row_kernels.rows_mm(x, weight, bias)
+    exact = F.linear(x.double(), weight.double(), bias.double())
+    assert got.dtype == torch.bfloat16
+    # float32 accumulation, then one rounding to bfloat16: within half a bfloat16 step of the exact value (plus a
+    # little for float32's own sums)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count(dtype):
+    x, weight, bias = _inputs(16, dtype, n=300, k=64)
+    together = row_kernels.rows_mm(x, weight, bias)
+    for i in range(16):
+        assert torch.equal(row_kernels.rows_mm(x[i:i + 1], weight, bias), together[i:i + 1])
+    assert torch.equal(row_kernels.rows_mm(x[3:10], weight, bias), together[3:10])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = row_kernels.rows_mm(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+@needs_kernel
+def test_what_the_kernel_cannot_take_is_refused():
+    x, weight, _ = _inputs(17, torch.float32)
+    with pytest.raises(RuntimeError, match="1 to 16 rows"):
+        row_kernels.rows_mm(x, weight, None)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        row_kernels.rows_mm(x[:2].to(torch.bfloat16), weight, None)
+    assert not row_kernels.supports(torch.float32, torch.zeros(8, 40))  # rows not a multiple of 16 long
+    assert not row_kernels.supports(torch.float32, torch.zeros(40, 8).T)  # not contiguous
+    assert not row_kernels.supports(torch.float16, torch.zeros(8, 32, dtype=torch.float16))
+    assert not row_kernels.supports(torch.bfloat16, torch.zeros(8, 32))  # inputs of another dtype
+    assert row_kernels.supports(torch.bfloat16, torch.zeros(8, 32, dtype=torch.bfloat16))
+
+
+@needs_kernel
+def test_product_runs_a_forward_wider_than_the_kernel_takes_as_f_linear():
+    x, weight, bias = _inputs(20, torch.float32)
+    assert torch.allclose(matmul_choice.product("rows", x, weight, bias), F.linear(x, weight, bias), atol=1e-5)
+
+
+def test_where_it_cannot_load_it_says_why(monkeypatch):
+    monkeypatch.setenv(row_kernels.OFF_SWITCH, "1")
+    assert "turned off" in row_kernels._load()
+    monkeypatch.delenv(row_kernels.OFF_SWITCH)
+    monkeypatch.setattr(row_kernels.platform, "machine", lambda: "aarch64")
+    assert "x86-64" in row_kernels._load()
+    monkeypatch.setattr(row_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(row_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert "AVX-512" in row_kernels._load() and "avx512f" in row_kernels._load()
+
+
+def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(**kwargs):
+        raise RuntimeError("Error building extension: c++: not found")
+
+    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
+    monkeypatch.delenv(row_kernels.OFF_SWITCH, raising=False)
+    monkeypatch.setattr(row_kernels, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    monkeypatch.setattr(row_kernels.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    reason = row_kernels._load()
+    assert reason.startswith("its C++ build failed") and "c++: not found" in reason
+
+
+def test_the_plan_offers_rows_only_where_it_loads_and_takes_every_matrix(monkeypatch):
+    bf16 = [torch.zeros(8, 32, dtype=torch.bfloat16), torch.zeros(32, 16, dtype=torch.bfloat16)]
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None})
+    assert "rows" in matmul_choice.kinds_for(bf16)
+    assert "rows" not in matmul_choice.kinds_for(bf16 + [torch.zeros(8, 24, dtype=torch.bfloat16)])
+    monkeypatch.setattr(row_kernels, "_state", {"reason": "needs AVX-512"})
+    assert matmul_choice.kinds_for(bf16) == ("linear", "w_xt")
+
+
+def test_the_plan_takes_rows_where_clearly_fastest_and_never_past_its_widest(monkeypatch):
+    timed = []
+
+    def cost(kind, weights, inputs, width):
+        timed.append((kind, width))
+        return {"linear": 2.0, "w_xt": 1.7, "rows": 1.0 if width <= 2 else 1.9}[kind] / 1e3
+
+    monkeypatch.setattr(matmul_choice, "_pass", cost)
+    plan = matmul_choice.measure([torch.zeros(8, 32)], widths=(1, 2, 4, 32), rounds=1,
+                                 kinds=matmul_choice.KINDS)
+    assert plan.by_width == {1: "rows", 2: "rows", 4: "w_xt", 32: "w_xt"}
+    assert ("rows", 32) not in timed and ("rows", 32) not in plan.times_ms
+
+
+def test_state_says_what_was_tried_without_trying(monkeypatch):
+    monkeypatch.setattr(row_kernels, "_state", {})
+    assert row_kernels.state() == "not tried" and row_kernels._state == {}
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None})
+    assert row_kernels.state() == "loaded"
+    monkeypatch.setattr(row_kernels, "_state", {"reason": "turned off by SPECPIPE_NO_ROW_KERNEL"})
+    assert row_kernels.state() == "turned off by SPECPIPE_NO_ROW_KERNEL"
