@@ -42,7 +42,7 @@ from .block_pool import PrefixStats
 from .draft_policy import DraftPolicy
 from ..kv_settings import KVSettings
 from .compiled_decoder import capped_width
-from .model_runner import BatchModelRunner
+from .model_runner import BatchModelRunner, time_forwards
 from .proposers import CostRatio, Proposer, ProposerContext, build_proposers, choose_drafter
 from .proposers.grammar import GrammarProposer
 from .proposers.ngram import row_lookup
@@ -165,10 +165,19 @@ class BatchingEngine:
         self.counters = EngineCounters()
 
     def calibrate(self, policy: DraftPolicy, max_rows: int) -> None:
-        """Time bare forwards for ``policy``: the target's and the draft model's, and the step of each drafter
-        without a draft model (EAGLE-3 heads), so it can price drafting before anything drafted."""
-        policy.calibrate(self.target.model, self.draft.model if self.draft is not None else None, max_rows,
-                         self.device, self.vocab_size)
+        """Time this engine's own forwards for ``policy`` at the shapes it asks for (calibration_widths): the
+        target runner's, the draft model's one token per row, and the step of each drafter without a draft model
+        (EAGLE-3 heads), so it can price drafting before anything drafted. Batch sizes the KV pool cannot hold
+        beside nothing else are left to the policy's extrapolation."""
+        for rows, widths in policy.calibration_widths(max_rows).items():
+            timed = time_forwards(self.target, rows, widths)
+            if not timed:
+                break
+            for width, seconds in timed.items():
+                policy.target.record(rows * width, seconds)
+            if self.draft is not None:
+                for seconds in time_forwards(self.draft, rows, [1], leader=self.target).values():
+                    policy.draft.record(rows, seconds)
         for proposer in self.proposers.values():
             proposer.calibrate(policy.draft.record, max_rows)
 

@@ -8,7 +8,7 @@ The policy picks the K that maximises expected emitted tokens per second for the
     tokens(K) = sum over rows of (1 - a_r^(K+1)) / (1 - a_r)          (Leviathan et al., i.i.d. acceptance a_r)
     time(K)   = K * draft_forward(rows tokens) + target_forward(rows * (K+1) tokens, padded to the widest row)
 
-with forward times measured on this machine (ForwardCost: bare forwards timed when the engine starts, at every
+with forward times measured on this machine (ForwardCost: the engine's own runners timed when it starts, at every
 verify width batch 1 can use, then every phase the engine runs) and each row's acceptance estimated from its own
 recent history.
 
@@ -34,15 +34,13 @@ drafts a step is decided per request, with the same estimate per proposer, in pr
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..speculative.analytic import expected_tokens_per_step
 from .acceptance import PRIOR_WEIGHT, AcceptanceEstimate
+
 PROBE_RATE = 0.4  # the rate a row due for a probe is planned with: it drafts where such a text would pay
 PATIENCE_GROWTH = 2.0  # a failed probe makes the next one wait this many times longer (plus a step)
 MAX_PATIENCE = 16  # the longest a row that stopped drafting waits before it probes again (steps)
@@ -54,8 +52,8 @@ PLAIN_EVERY = 64
 class ForwardCost:
     """Seconds one step phase takes as a function of the tokens it processes (all rows together).
 
-    Two sources, kept apart: calibration times bare forwards (the minimum of a few) at the token counts the engine
-    will use, and the engine then reports each phase it runs (the forward plus the sampling, accept rule and
+    Two sources, kept apart: calibration times bare forwards (the engine's runner alone, the minimum of a few) at
+    the token counts the engine will use, and the engine then reports each phase it runs (the forward plus the sampling, accept rule and
     bookkeeping around it, which a small model on a CPU is dominated by). A token count the engine has run costs the
     lower median of its recent measurements together with the calibrated estimate, so one slow step (another
     process's burst, a page fault) does not price a width out for good and a lasting change wins after a few steps;
@@ -279,29 +277,11 @@ class DraftPolicy:
             ks[r] = max(ks[r], j)
         return ks
 
-    @torch.inference_mode()
-    def calibrate(self, target_model, draft_model, max_rows: int, device, vocab: int, repeats: int = 3) -> None:
-        """Time bare forwards (no cache, a short context) at the token counts the engine will use: at batch 1 every
-        verify width 1..engine_draft_len+1 (where the verify cost curve decides K), at larger batches plain, middle
-        and widest."""
+    def calibration_widths(self, max_rows: int) -> dict[int, list[int]]:
+        """What to time before anything drafted, as {rows: tokens per row}: at batch 1 every verify width
+        1..engine_draft_len+1 (where the verify cost curve decides K), at larger batches plain, middle and widest.
+        The engine times its own runners at these shapes (BatchingEngine.calibrate) and records them in ``target``
+        (rows x width tokens) and ``draft`` (one token per row)."""
         rows = sorted({1, 2, 4, 8, 16, 32, max_rows} & set(range(1, max_rows + 1)))
-        generator = torch.Generator().manual_seed(0)
-        for model, cost in ((target_model, self.target), (draft_model, self.draft)):
-            if model is None:
-                continue
-            for b in rows:
-                if model is draft_model:
-                    widths = [1]  # a draft position is one token per row
-                elif b == 1:
-                    widths = list(range(1, self.engine_draft_len + 2))
-                else:
-                    widths = sorted({1, self.engine_draft_len // 2 + 1, self.engine_draft_len + 1})
-                for t in widths:
-                    ids = torch.randint(0, vocab, (b, t), generator=generator).to(device)
-                    model(input_ids=ids)  # warm-up (allocator, kernels)
-                    for _ in range(repeats):
-                        start = time.perf_counter()
-                        model(input_ids=ids)
-                        if torch.device(device).type == "cuda":
-                            torch.cuda.synchronize()
-                        cost.record(b * t, time.perf_counter() - start)
+        return {b: list(range(1, self.engine_draft_len + 2)) if b == 1 else
+                sorted({1, self.engine_draft_len // 2 + 1, self.engine_draft_len + 1}) for b in rows}

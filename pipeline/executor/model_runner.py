@@ -9,13 +9,16 @@ layers go through transformers' attention interface runs through its own modules
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import time
 
 import torch
 from torch import Tensor
 
 from ..decoder_support import LEAN, MODULES
 from . import attention_choice, llama_decoder, paged_attention
+from .block_pool import OutOfBlocks
 from .compiled_decoder import CompiledDecoder
 from .paged_kv_cache import PagedKVCache
 
@@ -156,6 +159,49 @@ class BatchModelRunner:
 
     def close(self, seq) -> None:
         self.cache.close(seq)
+
+
+SCRATCH_CONTEXT = 8  # tokens of KV each timing row holds (prefilled row by row: within any compiled bucket)
+
+
+@torch.inference_mode()
+def time_forwards(runner: BatchModelRunner, rows: int, widths: list[int], repeats: int = 3,
+                  leader: BatchModelRunner | None = None) -> dict[int, float]:
+    """Seconds the runner's forward of ``rows`` rows x ``width`` new tokens takes, for each of ``widths`` (the best
+    of ``repeats`` after a warm-up): what the engine's steps cost on this runner, compiled buckets and chosen
+    kernels included. Runs on scratch sequences of SCRATCH_CONTEXT tokens opened here (first in ``leader``, whose
+    blocks a companion runner's KV follows) and closed after, the prefix-cache statistics as they were; {} when the
+    KV pool has no room for them."""
+    seqs = [("calibration", row) for row in range(rows)]
+    owners = [runner] if leader is None else [leader, runner]
+    stats = owners[0].cache.pool.stats
+    counted = dataclasses.asdict(stats)
+    opened: list[tuple[BatchModelRunner, object]] = []
+    best: dict[int, float] = {}
+    try:
+        for seq in seqs:
+            for owner in owners:
+                owner.open(seq, [0] * SCRATCH_CONTEXT)
+                opened.append((owner, seq))
+            runner.forward([seq], [[0] * SCRATCH_CONTEXT], logits_for=[1])
+        for width in widths:
+            for attempt in range(repeats + 1):  # the first warms up
+                start = time.perf_counter()
+                runner.forward(seqs, [[0] * width] * rows)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize(runner.device)
+                if attempt:
+                    best[width] = min(best.get(width, float("inf")), time.perf_counter() - start)
+                for seq in seqs:
+                    runner.truncate(seq, SCRATCH_CONTEXT)
+    except OutOfBlocks:
+        return {}
+    finally:
+        for owner, seq in reversed(opened):
+            owner.close(seq)
+        for name, value in counted.items():  # in place: whoever reads the statistics holds this object
+            setattr(stats, name, value)
+    return best
 
 
 def _checked_aux_layers(layers, count: int) -> tuple[int, ...]:

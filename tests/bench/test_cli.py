@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from pipeline.executor import row_kernels
 from pipeline.cli import main
 from pipeline.speculative.analytic import speedup_bound
 from pipeline.speculative.tree import TokenTree
@@ -43,7 +44,8 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     assert data["options"]["k_max"] == 4 and data["options"]["k_values"] == [1, 2, 4]
     assert data["loaded_from"].startswith("engines")
     runner = {"runner": "lean", "why_not_lean": None, "kernels": {"by_width": {}, "ms": {}},  # tiny: not timed
-              "compiled": None}  # runtime.torch_compile is off
+              "compiled": None,  # runtime.torch_compile is off
+              "rows_kernel": row_kernels.state()}  # whatever this process found, if it asked
     attention = {role: data["runners"][role].pop("attention") for role in ("target", "draft")}
     assert data["runners"] == {"target": runner, "draft": runner}
     assert all(set(plan["by_width"]) == {"1", "2", "4", "8", "16"} for plan in attention.values())  # measured

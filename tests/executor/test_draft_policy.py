@@ -13,7 +13,6 @@ import random
 from collections.abc import Callable
 
 import pytest
-import torch
 
 from pipeline.executor.draft_policy import DraftPolicy, ForwardCost, PLAIN_EVERY
 
@@ -202,23 +201,12 @@ def test_one_slow_step_does_not_price_a_width_out():
     assert cost(5) == pytest.approx(3.0)
 
 
-class _WidthRecorder(torch.nn.Module):
-    """A stand-in model that notes the (rows, width) of every forward."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes: set[tuple[int, int]] = set()
-
-    def forward(self, input_ids):
-        self.shapes.add(tuple(input_ids.shape))
-
-
-def test_calibration_times_every_verify_width_at_batch_one():
-    target, draft = _WidthRecorder(), _WidthRecorder()
-    DraftPolicy(ENGINE_DRAFT_LEN).calibrate(target, draft, max_rows=4, device="cpu", vocab=16, repeats=1)
-    assert {(1, width) for width in range(1, ENGINE_DRAFT_LEN + 2)} <= target.shapes  # K+1 for every K at batch 1
-    assert {(4, 1), (4, ENGINE_DRAFT_LEN + 1)} <= target.shapes
-    assert {w for _, w in draft.shapes} == {1}
+def test_calibration_asks_for_every_verify_width_at_batch_one():
+    widths = DraftPolicy(ENGINE_DRAFT_LEN).calibration_widths(max_rows=4)
+    assert list(widths) == [1, 2, 4]
+    assert widths[1] == list(range(1, ENGINE_DRAFT_LEN + 2))  # K+1 for every K at batch 1
+    assert widths[4] == [1, ENGINE_DRAFT_LEN // 2 + 1, ENGINE_DRAFT_LEN + 1]
+    assert list(DraftPolicy(ENGINE_DRAFT_LEN).calibration_widths(max_rows=48)) == [1, 2, 4, 8, 16, 32, 48]
 
 
 def test_draft_policy_stops_drafting_when_it_does_not_pay():

@@ -10,7 +10,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from pipeline.executor import attention_choice
 from pipeline.executor.attention_choice import KERNELS, AttentionPlan
-from pipeline.executor.model_runner import BatchModelRunner
+from pipeline.executor.model_runner import SCRATCH_CONTEXT, BatchModelRunner, time_forwards
 
 
 def _llama():
@@ -202,3 +202,33 @@ def test_a_follower_reuses_only_blocks_it_filled_since_they_were_handed_out():
         assert torch.allclose(logits[0, :len(prompt) - 1], _reference(follower.model, prompt[:-1]), atol=1e-4)
         follower.close(name)
         leader.close(name)
+
+
+def test_time_forwards_times_the_runner_on_scratch_rows_and_leaves_nothing_behind(monkeypatch):
+    """The policy's calibration runs the engine's own runner at each width, rows x width tokens per forward, on
+    sequences it opens and closes, in the leader's blocks for a companion; a pool without room gives nothing."""
+    target, draft = _follower_pair(max_blocks=64)
+    target.open("live", [1, 2, 3])
+    target.forward(["live"], [[1, 2, 3]])
+    packed = []
+    forward = BatchModelRunner.forward
+
+    def counting(self, seqs, rows, *args, **kwargs):
+        packed.append((self is target, sum(map(len, rows))))
+        return forward(self, seqs, rows, *args, **kwargs)
+
+    monkeypatch.setattr(BatchModelRunner, "forward", counting)
+    before = (dict(target.cache.pool.tables), dict(target.cache.lengths), target.cache.pool.stats.queried_tokens)
+    timed = time_forwards(target, 3, [1, 4], repeats=2)
+    assert set(timed) == {1, 4} and all(seconds > 0 for seconds in timed.values())
+    # three prefills of one row each, then per width a warm-up and two timed forwards of 3 rows
+    assert [tokens for _, tokens in packed] == [SCRATCH_CONTEXT] * 3 + [3] * 3 + [12] * 3
+    assert (dict(target.cache.pool.tables), dict(target.cache.lengths),
+            target.cache.pool.stats.queried_tokens) == before
+    packed.clear()
+    assert set(time_forwards(draft, 2, [1], repeats=1, leader=target)) == {1}
+    assert packed and not any(is_target for is_target, _ in packed)  # the draft's forwards, the target's blocks
+    assert set(target.cache.lengths) == {"live"} and draft.cache.lengths == {}
+    small, _ = _follower_pair(max_blocks=4)
+    assert time_forwards(small, 8, [1]) == {}  # 8 rows of KV do not fit in 4 blocks
+    assert small.cache.pool.tables == {} and small.cache.lengths == {}
