@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,8 @@ DTYPES = (torch.float32, torch.bfloat16)
 # The kernel's instructions; the build targets them, not the build machine (a cache folder may move between CPUs
 # of one kind, and the flags are part of the folder's name).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# A build takes well under a minute: a lock file this old was left by a process that died while building.
+STALE_LOCK_S = 600
 OFF_SWITCH = "SPECPIPE_NO_ROW_KERNEL"  # set (to anything) to keep aten's products: a debugging aid
 
 _state: dict[str, str | None] = {}  # "reason": why the kernel is unavailable (None: loaded), once per process
@@ -90,6 +93,7 @@ def _load() -> str | None:
         from torch.utils import cpp_extension
 
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # code this process will load: the owner's alone
+        _clear_stale_lock(folder / "lock")
         # The builder locks the folder while it builds: a second process waits, then loads the same library.
         cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(SOURCE)], build_directory=str(folder),
                            extra_cflags=FLAGS, is_python_module=False, verbose=False)
@@ -98,6 +102,19 @@ def _load() -> str | None:
         return f"its C++ build failed ({type(error).__name__}: {first[:200]})"
     torch.library.register_fake("specpipe_rows::rows_mm")(_shape)
     return None
+
+
+def _clear_stale_lock(lock: Path, now: float | None = None) -> bool:
+    """Remove the builder's lock file when it is older than any build takes (STALE_LOCK_S): a process killed while
+    building leaves it behind, and the builder would otherwise wait on it forever. Returns whether it removed it."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= STALE_LOCK_S:
+        return False
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -139,3 +139,12 @@ def test_state_says_what_was_tried_without_trying(monkeypatch):
     assert row_kernels.state() == "loaded"
     monkeypatch.setattr(row_kernels, "_state", {"reason": "turned off by SPECPIPE_NO_ROW_KERNEL"})
     assert row_kernels.state() == "turned off by SPECPIPE_NO_ROW_KERNEL"
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_a_live_one_kept(tmp_path):
+    lock = tmp_path / "lock"
+    assert not row_kernels._clear_stale_lock(lock)  # none there
+    lock.write_text("")
+    mtime = lock.stat().st_mtime
+    assert not row_kernels._clear_stale_lock(lock, now=mtime + 5) and lock.exists()  # a build under way
+    assert row_kernels._clear_stale_lock(lock, now=mtime + row_kernels.STALE_LOCK_S + 1) and not lock.exists()
