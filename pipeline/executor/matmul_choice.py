@@ -47,7 +47,9 @@ def product(kind: str, x: Tensor, weight, bias: Tensor | None) -> Tensor:
         return F.linear(x, weight, bias)
     if kind == "rows" and x.shape[0] <= row_kernels.MAX_ROWS:
         return row_kernels.rows_mm(x, weight, bias)
-    out = (weight @ x.T).T
+    # Contiguous again: a transposed output would carry its column stride into every op after it, and SDPA's
+    # flash kernel takes only rows of stride 1 (a strided query falls back to its 4-6x slower math path).
+    out = (weight @ x.T).T.contiguous()
     return out if bias is None else out + bias
 
 

@@ -19,7 +19,10 @@ def test_every_kind_is_the_same_product(kind, bias):
     x, weight = torch.randn(5, 32, generator=gen), torch.randn(40, 32, generator=gen)
     b = torch.randn(40, generator=gen) if bias else None
     expected = x @ weight.T + (b if bias else 0)
-    assert torch.allclose(product(kind, x, weight, b), expected, atol=1e-5)
+    out = product(kind, x, weight, b)
+    assert torch.allclose(out, expected, atol=1e-5)
+    # rows of stride 1, as F.linear gives them: a strided q, k or v sends SDPA to its slow math path
+    assert out.is_contiguous()
 
 
 def test_the_plan_takes_the_fastest_form_per_width(monkeypatch):
