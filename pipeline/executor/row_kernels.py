@@ -33,11 +33,14 @@ DTYPES = (torch.float32, torch.bfloat16)
 # The kernel's instructions; the build targets them, not the build machine (a cache folder may move between CPUs
 # of one kind, and the flags are part of the folder's name).
 FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
+# Where the CPU has AVX512_BF16, bfloat16 rows multiply in pairs (one instruction for two products)
+BF16_FLAGS = ["-mavx512bf16", "-DSPECPIPE_DPBF16"]
 # A build takes well under a minute: a lock file this old was left by a process that died while building.
 STALE_LOCK_S = 600
 OFF_SWITCH = "SPECPIPE_NO_ROW_KERNEL"  # set (to anything) to keep aten's products: a debugging aid
 
-_state: dict[str, str | None] = {}  # "reason": why the kernel is unavailable (None: loaded), once per process
+# "reason": why the kernel is unavailable (None: loaded), once per process; "build": the loaded build's digest
+_state: dict[str, str | None] = {}
 
 
 def unavailable() -> str | None:
@@ -54,6 +57,12 @@ def state() -> str:
     if "reason" not in _state:
         return "not tried"
     return _state["reason"] or "loaded"
+
+
+def build() -> str | None:
+    """The loaded kernel's build (a digest of its source, torch version and flags), or None: what a measured plan
+    that timed it is kept under, so a changed kernel is timed anew."""
+    return _state.get("build") if unavailable() is None else None
 
 
 def supports(x_dtype: torch.dtype, weight: Tensor) -> bool:
@@ -86,8 +95,9 @@ def _load() -> str | None:
     missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - _cpu_flags()
     if missing:
         return f"needs AVX-512 ({', '.join(sorted(missing))} missing on this CPU)"
+    flags = FLAGS + (BF16_FLAGS if "avx512_bf16" in _cpu_flags() else [])
     source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + f"{torch.__version__} {FLAGS}".encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     folder = cache_root() / "extensions" / f"rows_mm-{digest}"
     try:
         from torch.utils import cpp_extension
@@ -96,11 +106,12 @@ def _load() -> str | None:
         _clear_stale_lock(folder / "lock")
         # The builder locks the folder while it builds: a second process waits, then loads the same library.
         cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(SOURCE)], build_directory=str(folder),
-                           extra_cflags=FLAGS, is_python_module=False, verbose=False)
+                           extra_cflags=flags, is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build: aten's products still run
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return f"its C++ build failed ({type(error).__name__}: {first[:200]})"
     torch.library.register_fake("specpipe_rows::rows_mm")(_shape)
+    _state["build"] = digest
     return None
 
 
