@@ -103,6 +103,8 @@ def _load() -> str | None:
         from torch.utils import cpp_extension
 
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)  # code this process will load: the owner's alone
+        if (problem := _not_private(folder)) is not None:
+            return problem
         _clear_stale_lock(folder / "lock")
         # The builder locks the folder while it builds: a second process waits, then loads the same library.
         cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(SOURCE)], build_directory=str(folder),
@@ -112,6 +114,18 @@ def _load() -> str | None:
         return f"its C++ build failed ({type(error).__name__}: {first[:200]})"
     torch.library.register_fake("specpipe_rows::rows_mm")(_shape)
     _state["build"] = digest
+    return None
+
+
+def _not_private(folder: Path) -> str | None:
+    """Why the library in ``folder`` could be someone else's code (another owner, or the folder or its parent
+    writable by others), or None. The process loads what it finds there."""
+    for path in (folder, folder.parent):
+        info = path.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o022:
+            return (f"its build folder {path} is not private (owner uid {info.st_uid}, mode "
+                    f"{oct(info.st_mode & 0o777)}): make it yours and not writable by others, or point "
+                    f"SPECPIPE_CACHE elsewhere")
     return None
 
 

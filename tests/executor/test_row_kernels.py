@@ -164,3 +164,18 @@ def test_a_new_build_of_the_kernel_is_timed_anew(monkeypatch, tmp_path):
     assert row_kernels.build() == "second"
     monkeypatch.setattr(row_kernels, "_state", {"reason": "needs AVX-512"})
     assert row_kernels.build() is None
+
+
+def test_a_build_folder_others_can_write_is_refused(tmp_path):
+    """The process loads the library it finds there: a folder (or its parent) writable by others could hold
+    someone else's code."""
+    parent, folder = tmp_path / "extensions", tmp_path / "extensions" / "rows_mm-x"
+    folder.mkdir(parents=True, mode=0o700)
+    parent.chmod(0o700)
+    assert row_kernels._not_private(folder) is None
+    folder.chmod(0o777)
+    assert "not private" in row_kernels._not_private(folder) and "SPECPIPE_CACHE" in row_kernels._not_private(folder)
+    folder.chmod(0o700)
+    parent.chmod(0o757)  # others may replace the folder itself
+    assert str(parent) in row_kernels._not_private(folder)
+    parent.chmod(0o700)
