@@ -53,7 +53,7 @@ def unavailable() -> str | None:
 
 def state() -> str:
     """What this process knows of the kernel without trying it: "loaded", why it is unavailable, or "not tried"
-    (no product was measured: models under matmul_choice.MIN_BYTES and compiled runners never ask for it)."""
+    (no product was measured yet: models under matmul_choice.MIN_BYTES never ask for it)."""
     if "reason" not in _state:
         return "not tried"
     return _state["reason"] or "loaded"
