@@ -24,6 +24,10 @@ drafted 0-14 tokens in 64 steps of a code edit where K=6 drafted 80 and ran 1.7x
            own rate if higher: it drafts wherever a text accepted that often would pay. A probe the target rejects
            outright doubles the wait plus a step (up to MAX_PATIENCE); an accepted token, or drafting on its own
            rate, resets it. Prose pays a few percent for probes that fail; code is found within a few steps.
+  cold     until the engine has judged COLD_START_TOKENS draft tokens, a row due for a probe drafts at least one,
+           whatever the price says: with an expensive draft step (a draft model as overhead-bound as its target,
+           c = 0.55 on the tiny pair) no K pays at the prior or the probe rate, and an engine that never drafts
+           never learns that its pair agrees 0.8 of the time.
 
 A lookup that finds a match is free to propose, so for n-gram rows the only question is whether the wider verify
 pays, and the verify's cost is what this engine measured at that width. The estimate is per row, not per
@@ -42,6 +46,7 @@ from ..speculative.analytic import expected_tokens_per_step
 from .acceptance import PRIOR_WEIGHT, AcceptanceEstimate
 
 PROBE_RATE = 0.4  # the rate a row due for a probe is planned with: it drafts where such a text would pay
+COLD_START_TOKENS = 16  # draft tokens the engine judges before probes follow the price alone (see "cold")
 PATIENCE_GROWTH = 2.0  # a failed probe makes the next one wait this many times longer (plus a step)
 MAX_PATIENCE = 16  # the longest a row that stopped drafting waits before it probes again (steps)
 # One step in this many runs without drafting (rows that named their K, and seeded sampling rows, still draft): a
@@ -193,7 +198,7 @@ class DraftPolicy:
              widths: Sequence | None = None) -> list[int]:
         """Each row's K for one engine step over requests ``rows`` (their ids), each able to propose at most
         ``row_limits[r]`` tokens: ``choose`` with each row's rate, a row due for a probe planned at PROBE_RATE or
-        more; all 0 on every PLAIN_EVERY-th step."""
+        more (and drafting at least one token while the engine is cold); all 0 on every PLAIN_EVERY-th step."""
         self.keep_only(set(rows))
         self._steps += 1
         if self._steps % PLAIN_EVERY == 0:
@@ -206,7 +211,11 @@ class DraftPolicy:
             state.probing = state.idle >= state.patience
             rate = self.row_rate(row)
             rates.append(max(rate, PROBE_RATE) if state.probing else rate)
-        return self.choose(rates, row_limits, uses_model, widths)
+        ks = self.choose(rates, row_limits, uses_model, widths)
+        if self.drafted < COLD_START_TOKENS:  # the engine has not seen its pair draft yet: find out
+            ks = [max(k, 1) if self._rows[row].probing and limit > 0 else k
+                  for row, k, limit in zip(rows, ks, row_limits)]
+        return ks
 
     def choose(self, row_rates: Sequence[float], row_limits: Sequence[int],
                uses_model: Sequence[bool] | None = None, widths: Sequence | None = None) -> list[int]:

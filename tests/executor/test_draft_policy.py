@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pipeline.executor.draft_policy import DraftPolicy, ForwardCost, PLAIN_EVERY
+from pipeline.executor.draft_policy import COLD_START_TOKENS, PLAIN_EVERY, DraftPolicy, ForwardCost
 
 ENGINE_DRAFT_LEN = 8
 OVERHEAD = 0.2  # of a step's cost, spent outside the forward (sampling, accept rule, bookkeeping)
@@ -144,6 +144,31 @@ def test_drafts_little_when_the_batch_is_compute_bound():
 def test_new_rows_draft_before_any_evidence():
     policy = calibrated(memory_bound)
     assert policy.plan([7], [ENGINE_DRAFT_LEN], [False])[0] > 0  # optimism: find out first
+
+
+def _dear_draft_policy() -> DraftPolicy:
+    """A draft model step costing 0.55 of a target step (the tiny pair on its runners): no K pays at the prior."""
+    policy = DraftPolicy(ENGINE_DRAFT_LEN)
+    for tokens in range(1, ENGINE_DRAFT_LEN + 2):
+        policy.target.record(tokens, 0.5 + 0.01 * tokens)
+    policy.draft.record(1, 0.28)
+    return policy
+
+
+def test_a_cold_engine_drafts_to_find_out_when_the_price_says_no():
+    policy = _dear_draft_policy()
+    assert policy.choose([policy.prior_rate], [ENGINE_DRAFT_LEN])[0] == 0  # priced out at the prior
+    assert policy.plan([1], [ENGINE_DRAFT_LEN])[0] == 1  # yet a cold engine's new row drafts one token
+    assert policy.plan([2], [0])[0] == 0  # never above a row's own limit
+    for _ in range(COLD_START_TOKENS):
+        policy.observe(1, 1, 1)  # the pair agrees
+    assert policy.drafted >= COLD_START_TOKENS and policy.plan([1], [ENGINE_DRAFT_LEN])[0] >= 1  # and it pays
+    cold = _dear_draft_policy()
+    for _ in range(COLD_START_TOKENS):
+        cold.plan([3], [ENGINE_DRAFT_LEN])
+        cold.observe(3, 1, 0)  # every probe rejected
+    steps = [cold.plan([4], [ENGINE_DRAFT_LEN])[0] for _ in range(20)]
+    assert steps == [0] * 20  # warm now: the price alone decides, and a rejected pair does not pay
 
 
 def test_a_plain_step_now_and_then():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pipeline.executor import SpeculativeExecutor, proposers
+from pipeline.executor.draft_policy import COLD_START_TOKENS
 from pipeline.executor.proposers import Proposer, choose_drafter
 from pipeline.executor.step_batch import StepBatch
 from pipeline.speculative.tree import TokenTree
@@ -197,6 +198,7 @@ def test_adaptive_draft_len_governs_lookup_rows(pair, monkeypatch):
         return [0] * len(rates)
 
     monkeypatch.setattr(ex.engine.policy, "choose", never_pays)
+    ex.engine.policy.drafted = COLD_START_TOKENS  # a warm engine: its probes follow the price alone
     capped = ex.generate(REPEATING, 24)
     assert seen and all(flags == [False] * len(flags) for flags in seen)  # lookup rows run no draft forward
     assert sum(r.stats.draft_tokens for r in capped) == 0
