@@ -317,7 +317,8 @@ class RuntimeSpec(_Section):
         False, description="torch backend: compile the draft and target forwards at engine start. A Llama-family "
                            "model (the lean decoder) gets one graph per power-of-two width up to "
                            "compile_max_width (and one for a request's full verify, K + 1), its weights frozen in, "
-                           "compiled ahead of time by inductor before the first request (tens of seconds per graph; 'max-autotune' also times candidate kernels) "
+                           "compiled ahead of time by inductor before the first request (tens of seconds per graph; "
+                           "'max-autotune' also times candidate kernels) "
                            "and kept in ~/.cache/specpipe/compiled, so the next start with the same weights loads "
                            "them in seconds; any other model is compiled with dynamic shapes as its first requests "
                            "arrive.")
@@ -325,8 +326,9 @@ class RuntimeSpec(_Section):
         16, ge=1, description="torch_compile on the lean decoder: the widest forward (tokens) that runs compiled; "
                               "the buckets are the powers of two up to it (and never past every running row's "
                               "verify), with K + 1 when it is below the widest. Each bucket holds its own copy of "
-                              "the weights in memory and in the compiled package on disk, so the cap trades memory for the widths a batch's verify "
-                              "reaches; wider forwards (prompt chunks, large batches) run eager.")
+                              "the weights in memory and in the compiled package on disk, so the cap trades memory "
+                              "for the widths a batch's verify reaches; wider forwards (prompt chunks, large "
+                              "batches) run eager.")
 
 
 class ServeSpec(_Section):

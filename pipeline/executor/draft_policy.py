@@ -58,12 +58,13 @@ class ForwardCost:
     """Seconds one step phase takes as a function of the tokens it processes (all rows together).
 
     Two sources, kept apart: calibration times bare forwards (the engine's runner alone, the minimum of a few) at
-    the token counts the engine will use, and the engine then reports each phase it runs (the forward plus the sampling, accept rule and
-    bookkeeping around it, which a small model on a CPU is dominated by). A token count the engine has run costs the
-    lower median of its recent measurements together with the calibrated estimate, so one slow step (another
-    process's burst, a page fault) does not price a width out for good and a lasting change wins after a few steps;
-    a count it has not run costs its bare forward plus the engine's overhead, the lower median of its recent
-    measured-minus-bare gaps, so widths the engine has not tried are neither flattered by a bare forward nor guessed.
+    the token counts the engine will use, and the engine then reports each phase it runs (the forward plus the
+    sampling, accept rule and bookkeeping around it, which a small model on a CPU is dominated by). A token count
+    the engine has run costs the lower median of its recent measurements together with the calibrated estimate, so
+    one slow step (another process's burst, a page fault) does not price a width out for good and a lasting change
+    wins after a few steps; a count it has not run costs its bare forward plus the engine's overhead, the lower
+    median of its recent measured-minus-bare gaps, so widths the engine has not tried are neither flattered by a bare
+    forward nor guessed.
     """
 
     WINDOW = 5  # recent measurements kept per token count

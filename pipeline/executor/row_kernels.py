@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from ..artifacts import cache_root
+from ..dtypes import cpu_flags
 
 SOURCE = Path(__file__).with_name("csrc") / "rows_mm.cpp"
 MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
@@ -77,25 +78,16 @@ def rows_mm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return torch.ops.specpipe_rows.rows_mm(x, weight, bias)
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _load() -> str | None:
     if os.environ.get(OFF_SWITCH):
         return f"turned off by {OFF_SWITCH}"
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"needs an x86-64 CPU with AVX-512 (this is {platform.machine()})"
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - _cpu_flags()
+    cpu = cpu_flags()
+    missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - cpu
     if missing:
         return f"needs AVX-512 ({', '.join(sorted(missing))} missing on this CPU)"
-    flags = FLAGS + (BF16_FLAGS if "avx512_bf16" in _cpu_flags() else [])
+    flags = FLAGS + (BF16_FLAGS if "avx512_bf16" in cpu else [])
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     folder = cache_root() / "extensions" / f"rows_mm-{digest}"

@@ -91,7 +91,7 @@ def test_where_it_cannot_load_it_says_why(monkeypatch):
     monkeypatch.setattr(row_kernels.platform, "machine", lambda: "aarch64")
     assert "x86-64" in row_kernels._load()
     monkeypatch.setattr(row_kernels.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(row_kernels, "_cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(row_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
     assert "AVX-512" in row_kernels._load() and "avx512f" in row_kernels._load()
 
 
@@ -103,7 +103,7 @@ def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
     monkeypatch.delenv(row_kernels.OFF_SWITCH, raising=False)
-    monkeypatch.setattr(row_kernels, "_cpu_flags", lambda: {"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    monkeypatch.setattr(row_kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}))
     monkeypatch.setattr(row_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     reason = row_kernels._load()

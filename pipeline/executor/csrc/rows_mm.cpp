@@ -8,6 +8,8 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <type_traits>
+
 namespace {
 
 constexpr int64_t kMaxRows = 16;
@@ -37,6 +39,22 @@ void rows(const float* x, const W* w, float* out, int64_t K, int64_t N, int64_t 
   }
 }
 
+// Runs body(std::integral_constant<int, M>, begin, end) over the weight rows [0, N) split between the threads, M
+// the row count as a compile-time constant (the kernels keep one accumulator register per row). Whole weight rows
+// per thread: each output is one thread's sum, so the thread count does not change it.
+template <typename Body>
+void split_rows(int64_t M, int64_t N, const Body& body) {
+  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
+    switch (M) {
+#define SPECPIPE_ROWS(i) case i: body(std::integral_constant<int, i>{}, begin, end); break;
+      SPECPIPE_ROWS(1) SPECPIPE_ROWS(2) SPECPIPE_ROWS(3) SPECPIPE_ROWS(4) SPECPIPE_ROWS(5) SPECPIPE_ROWS(6)
+      SPECPIPE_ROWS(7) SPECPIPE_ROWS(8) SPECPIPE_ROWS(9) SPECPIPE_ROWS(10) SPECPIPE_ROWS(11) SPECPIPE_ROWS(12)
+      SPECPIPE_ROWS(13) SPECPIPE_ROWS(14) SPECPIPE_ROWS(15) SPECPIPE_ROWS(16)
+#undef SPECPIPE_ROWS
+    }
+  });
+}
+
 #ifdef SPECPIPE_DPBF16
 // bfloat16 weights and inputs on a CPU with AVX512_BF16: each instruction multiplies 32 pairs and adds them into
 // 16 float32 lanes, half the instructions of widening to float32 first (which binds the loop past four rows).
@@ -59,32 +77,7 @@ void rows_bf16(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t
   }
 }
 
-void run_bf16(int64_t M, const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t K, int64_t N) {
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-#define SPECPIPE_ROWS(i) case i: rows_bf16<i>(x, w, out, K, N, begin, end); break;
-      SPECPIPE_ROWS(1) SPECPIPE_ROWS(2) SPECPIPE_ROWS(3) SPECPIPE_ROWS(4) SPECPIPE_ROWS(5) SPECPIPE_ROWS(6)
-      SPECPIPE_ROWS(7) SPECPIPE_ROWS(8) SPECPIPE_ROWS(9) SPECPIPE_ROWS(10) SPECPIPE_ROWS(11) SPECPIPE_ROWS(12)
-      SPECPIPE_ROWS(13) SPECPIPE_ROWS(14) SPECPIPE_ROWS(15) SPECPIPE_ROWS(16)
-#undef SPECPIPE_ROWS
-    }
-  });
-}
 #endif
-
-template <typename W>
-void run(int64_t M, const float* x, const W* w, float* out, int64_t K, int64_t N) {
-  // Whole weight rows per thread: each output is one thread's sum, so the thread count does not change it.
-  at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    switch (M) {
-#define SPECPIPE_ROWS(i) case i: rows<i, W>(x, w, out, K, N, begin, end); break;
-      SPECPIPE_ROWS(1) SPECPIPE_ROWS(2) SPECPIPE_ROWS(3) SPECPIPE_ROWS(4) SPECPIPE_ROWS(5) SPECPIPE_ROWS(6)
-      SPECPIPE_ROWS(7) SPECPIPE_ROWS(8) SPECPIPE_ROWS(9) SPECPIPE_ROWS(10) SPECPIPE_ROWS(11) SPECPIPE_ROWS(12)
-      SPECPIPE_ROWS(13) SPECPIPE_ROWS(14) SPECPIPE_ROWS(15) SPECPIPE_ROWS(16)
-#undef SPECPIPE_ROWS
-    }
-  });
-}
 
 at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
@@ -95,21 +88,33 @@ at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rows_mm: x and w of one dtype");
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  bool done = false;
 #ifdef SPECPIPE_DPBF16
   if (w.scalar_type() == at::kBFloat16 && K % 32 == 0) {
     at::Tensor xc = x.contiguous();
-    run_bf16(M, xc.data_ptr<at::BFloat16>(), w.data_ptr<at::BFloat16>(), out.data_ptr<float>(), K, N);
-    if (bias.has_value()) out.add_(bias->to(at::kFloat));
-    return out.to(x.scalar_type());
+    const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+    split_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
+      rows_bf16<decltype(m)::value>(xp, wp, o, K, N, begin, end);
+    });
+    done = true;
   }
 #endif
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  switch (w.scalar_type()) {
-    case at::kFloat: run<float>(M, xf.data_ptr<float>(), w.data_ptr<float>(), out.data_ptr<float>(), K, N); break;
-    case at::kBFloat16:
-      run<at::BFloat16>(M, xf.data_ptr<float>(), w.data_ptr<at::BFloat16>(), out.data_ptr<float>(), K, N);
-      break;
-    default: TORCH_CHECK(false, "rows_mm: float32 or bfloat16 weights, got ", w.scalar_type());
+  if (!done) {
+    at::Tensor xf = x.to(at::kFloat).contiguous();
+    const float* xp = xf.data_ptr<float>();
+    auto widened = [&](const auto* wp) {  // the weights' type picks load16
+      split_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
+        rows<decltype(m)::value>(xp, wp, o, K, N, begin, end);
+      });
+    };
+    if (w.scalar_type() == at::kFloat) {
+      widened(w.data_ptr<float>());
+    } else {
+      TORCH_CHECK(w.scalar_type() == at::kBFloat16, "rows_mm: float32 or bfloat16 weights, got ", w.scalar_type());
+      widened(w.data_ptr<at::BFloat16>());
+    }
   }
   if (bias.has_value()) out.add_(bias->to(at::kFloat));
   return out.to(x.scalar_type());
