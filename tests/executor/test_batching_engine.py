@@ -365,3 +365,20 @@ def test_colliding_block_keys_never_change_a_result(monkeypatch):
         (result,) = ex.generate([prompt], 8)
         assert result.token_ids == hf_greedy(target, prompt, 8), prompt
     assert ex.engine.prefix_stats.hit_tokens > 0  # a first block equal to the one keyed block is still reused
+
+
+def test_calibration_prices_the_engines_own_runners_at_every_shape_the_policy_asks(pair):
+    """The adaptive K's first prices: the target runner timed at rows x width tokens for each shape the policy asks
+    for, the draft model's runner at one token per row, and no scratch row left open or counted in the prefix cache."""
+    from pipeline.executor.draft_policy import DraftPolicy
+
+    target, draft, tok = pair
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=4, max_batch_size=4, adaptive_draft_len=True)
+    policy = DraftPolicy(4)
+    ex.engine.calibrate(policy, 4)
+    shapes = policy.calibration_widths(4)
+    assert set(policy.target.calibrated) == {rows * width for rows, widths in shapes.items() for width in widths}
+    assert set(policy.draft.calibrated) == set(shapes)  # one draft token per row
+    assert all(seconds > 0 for seconds in [*policy.target.calibrated.values(), *policy.draft.calibrated.values()])
+    cache = ex.target.cache
+    assert cache.lengths == {} and cache.pool.held == 0 and cache.pool.stats.queried_tokens == 0
