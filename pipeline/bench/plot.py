@@ -102,8 +102,7 @@ def _draw_sweep(ax, swept: str, sweep: list[dict], legend: dict) -> str:
     """The sweep with its range, its bound and its noisy cells; returns what the title says of its best K."""
     ks = [r["k"] for r in sweep]
     medians = [r["speedup_vs_target"] for r in sweep]
-    low = [m - (r.get("speedup_min") if r.get("speedup_min") is not None else m) for m, r in zip(medians, sweep)]
-    high = [(r.get("speedup_max") if r.get("speedup_max") is not None else m) - m for m, r in zip(medians, sweep)]
+    low, high = zip(*(_error_bar(r) for r in sweep))
     label = ("draft model" if swept == "speculative" else "n-gram lookup") + " at K (median, range of repeats)"
     legend.setdefault(label, ax.errorbar(ks, medians, yerr=[low, high], fmt="o-", color=SWEEP_COLOUR, capsize=3))
     bounds = [(r["k"], r["bound_speedup_refined"]) for r in sweep if r.get("bound_speedup_refined") is not None]
@@ -124,11 +123,19 @@ def _draw_sweep(ax, swept: str, sweep: list[dict], legend: dict) -> str:
                if pick.rivals else ""))
 
 
-def _point(ax, x: float, record: dict, marker: str, colour: str):
+def _error_bar(record: dict) -> tuple[float, float]:
+    """How far the repeats' range reaches below and above the record's speedup (never negative: the speedup is
+    the ratio of median rates and the range the per-repeat ratios, each rounded, so with repeats that agree the
+    speedup can sit a rounding step outside the range)."""
     median = record["speedup_vs_target"]
     low = record.get("speedup_min") if record.get("speedup_min") is not None else median
     high = record.get("speedup_max") if record.get("speedup_max") is not None else median
-    return ax.errorbar([x], [median], yerr=[[median - low], [high - median]], fmt=marker, color=colour,
+    return max(0.0, median - low), max(0.0, high - median)
+
+
+def _point(ax, x: float, record: dict, marker: str, colour: str):
+    low, high = _error_bar(record)
+    return ax.errorbar([x], [record["speedup_vs_target"]], yerr=[[low], [high]], fmt=marker, color=colour,
                        markersize=12 if marker == "*" else 8, capsize=3)
 
 
