@@ -59,7 +59,7 @@ def runner_lines(info: dict | None) -> list[str]:
     for role, facts in (info or {}).items():
         kernels = (facts["kernels"] or {}).get("by_width") or {}
         products = ", ".join(f"{width}: {kind}" for width, kind in kernels.items()) or "F.linear at every width"
-        if facts.get("rows_kernel") not in (None, "loaded", "not tried"):
+        if not str(facts.get("rows_kernel") or "loaded").startswith(("loaded", "not tried")):
             products += f" (no rows kernel: {facts['rows_kernel']})"
         compiled = facts.get("compiled")
         if compiled:

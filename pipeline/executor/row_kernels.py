@@ -1,4 +1,5 @@
-"""A matrix product for the few rows of a decode or verify forward, in C++ for CPUs with AVX-512, built on first use.
+"""C++ operators for the few rows of a decode or verify forward on x86-64 CPUs with AVX-512 or AVX2, built on first
+use: a matrix product, and the small per-token operations of a Llama-family layer.
 
 A decode step multiplies one row (a verify K + 1 rows) by every weight matrix: the time is the weights' bytes
 streamed from memory. aten's products are not written for that shape on every CPU: on one AMD EPYC, MKL's float32
@@ -7,11 +8,13 @@ each weight row once with AVX-512 and multiplying it into every input row (``csr
 Each output is one thread's float32 dot product, added up in the same order whatever the number of rows, so a
 token's result does not depend on its neighbours in the forward (tested).
 
-The kernel is one of the products matmul_choice times per width: it is used only where it measured faster on the
-machine, and a machine without AVX-512, a C++ compiler or ninja (torch's extension builder runs both) runs aten's
-products as before (``unavailable`` says why). The build (under half a minute on 2 cores) is kept under
-cache_root()/extensions, one folder per source, torch version and flags, so later starts load it in well under a
-second.
+The product is one of the kinds matmul_choice times per width: it is used only where it measured faster on the
+machine. The per-token operations (``csrc/layer_ops.cpp``: RMSNorm, RoPE in place, SiLU(gate) * up) replace about
+twenty small torch operators a layer in the lean decoder's eager forwards. A machine without AVX2 and FMA, a C++
+compiler or ninja (torch's extension builder runs both) runs aten's operators as before (``unavailable`` says why).
+The build targets one instruction set: AVX-512 where the CPU has it (16 lanes), else AVX2 (8 lanes). It takes under
+a minute on 2 cores and is kept under cache_root()/extensions, one folder per source, torch version and flags, so
+later starts load it in well under a second.
 """
 
 from __future__ import annotations
@@ -28,19 +31,29 @@ from torch import Tensor
 from ..artifacts import cache_root
 from ..dtypes import cpu_flags
 
-SOURCE = Path(__file__).with_name("csrc") / "rows_mm.cpp"
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp")  # one library
+HEADERS = (CSRC / "lanes.h",)
 MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
 DTYPES = (torch.float32, torch.bfloat16)
-# The kernel's instructions; the build targets them, not the build machine (a cache folder may move between CPUs
-# of one kind, and the flags are part of the folder's name).
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
-# Where the CPU has AVX512_BF16, bfloat16 rows multiply in pairs (one instruction for two products)
+# The kernel's instruction sets, the first the CPU has wins: (name, the CPU flags it needs, compiler flags). The
+# build targets them, not the build machine (a cache folder may move between CPUs of one kind, and the flags are
+# part of the folder's name).
+INSTRUCTION_SETS = (
+    ("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    ("avx2", frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]),
+)
+# No multiply and add fused unless written so: layer_ops.cpp rounds as the torch expressions it replaces
+COMMON_FLAGS = ["-O3", "-ffp-contract=off"]
+# Where the CPU also has AVX512_BF16, bfloat16 rows multiply in pairs (one instruction for two products)
 BF16_FLAGS = ["-mavx512bf16", "-DSPECPIPE_DPBF16"]
 # A build takes well under a minute: a lock file this old was left by a process that died while building.
 STALE_LOCK_S = 600
 OFF_SWITCH = "SPECPIPE_NO_ROW_KERNEL"  # set (to anything) to keep aten's products: a debugging aid
 
-# "reason": why the kernel is unavailable (None: loaded), once per process; "build": the loaded build's digest
+# "reason": why the kernel is unavailable (None: loaded), once per process; "build": the loaded build's digest;
+# "isa": the instruction set it was built for
 _state: dict[str, str | None] = {}
 
 
@@ -53,11 +66,11 @@ def unavailable() -> str | None:
 
 
 def state() -> str:
-    """What this process knows of the kernel without trying it: "loaded", why it is unavailable, or "not tried"
+    """What this process knows of the kernel without trying it: "loaded (ISA)", why it is unavailable, or "not tried"
     (no product was measured yet: models under matmul_choice.MIN_BYTES never ask for it)."""
     if "reason" not in _state:
         return "not tried"
-    return _state["reason"] or "loaded"
+    return _state["reason"] or f"loaded ({_state.get('isa', '?')})"
 
 
 def build() -> str | None:
@@ -82,13 +95,12 @@ def _load() -> str | None:
     if os.environ.get(OFF_SWITCH):
         return f"turned off by {OFF_SWITCH}"
     if platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs an x86-64 CPU with AVX-512 (this is {platform.machine()})"
-    cpu = cpu_flags()
-    missing = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} - cpu
-    if missing:
-        return f"needs AVX-512 ({', '.join(sorted(missing))} missing on this CPU)"
-    flags = FLAGS + (BF16_FLAGS if "avx512_bf16" in cpu else [])
-    source = SOURCE.read_bytes()
+        return f"needs an x86-64 CPU with AVX2 or AVX-512 (this is {platform.machine()})"
+    chosen = instruction_set(cpu_flags())
+    if isinstance(chosen, str):
+        return chosen
+    name, flags = chosen
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     digest = hashlib.sha256(source + f"{torch.__version__} {flags}".encode()).hexdigest()[:16]
     folder = cache_root() / "extensions" / f"rows_mm-{digest}"
     try:
@@ -99,14 +111,30 @@ def _load() -> str | None:
             return problem
         _clear_stale_lock(folder / "lock")
         # The builder locks the folder while it builds: a second process waits, then loads the same library.
-        cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(SOURCE)], build_directory=str(folder),
-                           extra_cflags=flags, is_python_module=False, verbose=False)
+        cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(path) for path in SOURCES],
+                           build_directory=str(folder), extra_cflags=flags, extra_include_paths=[str(CSRC)],
+                           is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build: aten's products still run
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return f"its C++ build failed ({type(error).__name__}: {first[:200]})"
     torch.library.register_fake("specpipe_rows::rows_mm")(_shape)
+    torch.library.register_fake("specpipe_rows::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
+    torch.library.register_fake("specpipe_rows::silu_mul")(lambda h: h.new_empty(h.shape[0], h.shape[1] // 2))
     _state["build"] = digest
+    _state["isa"] = name
     return None
+
+
+def instruction_set(cpu: frozenset[str]) -> tuple[str, list[str]] | str:
+    """(the instruction set's name, compiler flags) the kernel is built for on a CPU with these flags, or why none
+    fits."""
+    for name, needs, flags in INSTRUCTION_SETS:
+        if needs <= cpu:
+            if name == "avx512" and "avx512_bf16" in cpu:
+                return "avx512+bf16", COMMON_FLAGS + flags + BF16_FLAGS
+            return name, COMMON_FLAGS + flags
+    missing = sorted(INSTRUCTION_SETS[-1][1] - cpu)
+    return f"needs AVX2 and FMA, or AVX-512 ({', '.join(missing)} missing on this CPU)"
 
 
 def _not_private(folder: Path) -> str | None:
@@ -132,6 +160,22 @@ def _clear_stale_lock(lock: Path, now: float | None = None) -> bool:
         return False
     lock.unlink(missing_ok=True)
     return True
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """layer_math.rms_norm of x [T, d] (float32 or bfloat16, weight of its dtype) as one operator."""
+    return torch.ops.specpipe_rows.rms_norm(x, weight, eps)
+
+
+def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> None:
+    """layer_math.rotate, in place, of the first ``heads`` heads of cos's width in every row of qkv [T, C] (a fused
+    QKV output: its query and key heads); cos/sin [T, d] of qkv's dtype."""
+    torch.ops.specpipe_rows.rope_(qkv, cos, sin, heads)
+
+
+def silu_mul(h: Tensor) -> Tensor:
+    """silu(gate) * up of h [T, 2 I] = [gate | up] -> [T, I], rounded as the torch expression."""
+    return torch.ops.specpipe_rows.silu_mul(h)
 
 
 def _shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

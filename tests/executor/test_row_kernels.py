@@ -91,8 +91,19 @@ def test_where_it_cannot_load_it_says_why(monkeypatch):
     monkeypatch.setattr(row_kernels.platform, "machine", lambda: "aarch64")
     assert "x86-64" in row_kernels._load()
     monkeypatch.setattr(row_kernels.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(row_kernels, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert "AVX-512" in row_kernels._load() and "avx512f" in row_kernels._load()
+    monkeypatch.setattr(row_kernels, "cpu_flags", lambda: frozenset({"avx", "avx2"}))
+    assert "AVX2 and FMA" in row_kernels._load() and "(fma missing" in row_kernels._load()
+
+
+def test_the_build_targets_the_widest_instruction_set_the_cpu_has():
+    avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
+    assert row_kernels.instruction_set(avx2) == ("avx2", ["-O3", "-ffp-contract=off", "-mavx2", "-mfma"])
+    name, flags = row_kernels.instruction_set(avx2 | avx512)
+    assert name == "avx512" and "-mavx512f" in flags and "-mavx2" not in flags and "-DSPECPIPE_DPBF16" not in flags
+    name, flags = row_kernels.instruction_set(avx2 | avx512 | {"avx512_bf16"})
+    assert name == "avx512+bf16" and "-mavx512bf16" in flags and "-DSPECPIPE_DPBF16" in flags
+    assert "avx512f" not in str(row_kernels.instruction_set(avx512 - {"avx512bw"} | avx2))  # AVX2 then
+    assert "fma missing" in row_kernels.instruction_set(frozenset({"avx2"}))
 
 
 def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
@@ -137,7 +148,9 @@ def test_state_says_what_was_tried_without_trying(monkeypatch):
     monkeypatch.setattr(row_kernels, "_state", {})
     assert row_kernels.state() == "not tried" and row_kernels._state == {}
     monkeypatch.setattr(row_kernels, "_state", {"reason": None})
-    assert row_kernels.state() == "loaded"
+    assert row_kernels.state() == "loaded (?)"
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None, "isa": "avx2"})
+    assert row_kernels.state() == "loaded (avx2)"
     monkeypatch.setattr(row_kernels, "_state", {"reason": "turned off by SPECPIPE_NO_ROW_KERNEL"})
     assert row_kernels.state() == "turned off by SPECPIPE_NO_ROW_KERNEL"
 
@@ -179,3 +192,23 @@ def test_a_build_folder_others_can_write_is_refused(tmp_path):
     parent.chmod(0o757)  # others may replace the folder itself
     assert str(parent) in row_kernels._not_private(folder)
     parent.chmod(0o700)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_layer_ops_round_as_the_torch_expressions_they_replace(dtype):
+    from pipeline.layer_math import rms_norm, rotate
+
+    gen = torch.Generator().manual_seed(4)
+    x, weight = torch.randn(3, 40, generator=gen).to(dtype), torch.randn(40, generator=gen).to(dtype)
+    # RMSNorm: only the order of the sum of squares differs (float32 statistics)
+    assert (row_kernels.rms_norm(x, weight, 1e-5).float() - rms_norm(x, weight, 1e-5).float()).abs().max() < 1e-5
+    qkv, cos, sin = (torch.randn(3, n, generator=gen).to(dtype) for n in (7 * 8, 8, 8))  # 3 + 2 heads of 8, then V
+    rotated = qkv.clone()
+    row_kernels.rope_(rotated, cos, sin, 5)
+    expected = rotate(qkv[:, :40].view(3, 5, 8), cos[:, None], sin[:, None])
+    assert torch.equal(rotated[:, :40].view(3, 5, 8), expected) and torch.equal(rotated[:, 40:], qkv[:, 40:])
+    h = torch.randn(3, 2 * 24, generator=gen).to(dtype)
+    gated = row_kernels.silu_mul(h)
+    assert gated.shape == (3, 24)
+    assert (gated.float() - (F.silu(h[:, :24]) * h[:, 24:]).float()).abs().max() < 1e-5
