@@ -3,12 +3,13 @@ verify-cost curve of a model on this machine (a verify of K draft tokens is a fo
 
     python scripts/step_cost.py MODEL_FOLDER [--dtype float32] [--int8] [--widths 1 2 3 4 5 8] [--threads 2]
                                 [--compile [max-autotune]] [--context N] [--sdpa-twins] [--linear-twins]
-                                [--json FILE]
+                                [--torch-ops-twins] [--json FILE]
 
 With --compile, the lean decoder compiled per width bucket is a third runner (its warm-up time is printed). With
 --sdpa-twins each lean runner is timed twice, with the attention kernels measured per width (attention_choice) and
 with SDPA at every width; with --linear-twins the eager lean runner is timed again with F.linear at every width in
-place of the products measured per width (matmul_choice). The runners hold the same model (the lean one's fused
+place of the products measured per width (matmul_choice); with --torch-ops-twins it is timed again with RMSNorm,
+RoPE and SiLU * up as torch operators in place of the row kernels' C++ operators (row_kernels). The runners hold the same model (the lean one's fused
 matrices are the weights the modules read) and the same --context tokens of KV; each forward of W tokens is rolled
 back, so every width is timed at the same length. Best of --rounds rounds, the runners and widths interleaved in
 each (the machine is shared). Prints the CPU model, the lean decoder's measured product and attention kernel per
@@ -33,7 +34,7 @@ SEQ = "seq"
 
 
 def open_runners(model, context: int, compile: bool | str = False, max_width: int = 8,
-                 sdpa_twins: bool = False, linear_twins: bool = False) -> dict:
+                 sdpa_twins: bool = False, linear_twins: bool = False, torch_ops_twins: bool = False) -> dict:
     """The modules and the lean decoder, and with ``compile`` the lean decoder compiled per width bucket up to
     ``max_width`` (its warm-up is done here). ``sdpa_twins``: each lean runner also as a twin whose attention is
     SDPA at every width (what the measured attention kernels are compared with); ``linear_twins``: the eager lean
@@ -51,6 +52,8 @@ def open_runners(model, context: int, compile: bool | str = False, max_width: in
         kinds += [(f"{name}-sdpa", options) for name, options in kinds[1:]]
     if linear_twins:
         kinds.append(("lean-linear", {}))
+    if torch_ops_twins:
+        kinds.append(("lean-torch-ops", {}))
     runners = {}
     for name, options in kinds:
         runner = BatchModelRunner(model, "cpu", max_tokens=context + 64, block_size=16,
@@ -59,6 +62,8 @@ def open_runners(model, context: int, compile: bool | str = False, max_width: in
             runner.cache.attention = AttentionPlan()
         if name == "lean-linear" and runner._decoder is not None:
             runner._decoder.kernels = KernelPlan()
+        if name == "lean-torch-ops" and runner._decoder is not None:
+            runner._decoder.layer_ops = False
         runner.open(SEQ, prompt)
         runner.forward([SEQ], [prompt], logits_for=[1])
         runners[name] = runner
@@ -96,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--linear-twins", action="store_true",
                         help="also time the eager lean runner with F.linear at every width in place of the measured "
                              "products")
+    parser.add_argument("--torch-ops-twins", action="store_true",
+                        help="also time the eager lean runner with RMSNorm, RoPE and SiLU * up as torch operators in "
+                             "place of the row kernels' C++ operators")
     parser.add_argument("--json", type=Path, default=None, help="write the table here too")
     args = parser.parse_args(argv)
     if any(w < 1 for w in args.widths) or args.rounds < 1 or args.context < 1:
@@ -110,13 +118,16 @@ def main(argv: list[str] | None = None) -> int:
 
         quantize_model(model, "int8_weight_only")
     runners = open_runners(model, args.context, args.compile, max(args.widths), args.sdpa_twins,
-                           args.linear_twins)
+                           args.linear_twins, args.torch_ops_twins)
     print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}" + (" int8 weights" if args.int8 else ""))
     lean = runners["lean"]
     default = "the int8 kernel" if args.int8 else "F.linear"
     print(f"lean decoder: {lean.runner}" + (f" ({lean.why_modules})" if lean.why_modules else
                                             f"; product by width: {lean.kernels.to_dict()['by_width'] or default}"))
     print(f"attention kernel by width: {lean.cache.attention.to_dict()['by_width'] or 'SDPA'}")
+    if lean.runner == "lean":
+        ops = "the row kernels' C++ operators" if lean._decoder.layer_ops else "torch"
+        print(f"per-token operations: {ops}")
     if "compiled" in runners:
         compiled = runners["compiled"].compiled
         print(f"compiled: buckets {compiled.sizes}, warm-up {compiled.warm_up_s:.1f} s ({compiled.built} graphs "

@@ -4,7 +4,10 @@ Llama 2/3 (any static RoPE scaling), Mistral without a sliding window in reach, 
 one layer: RMSNorm, attention with rotary positions and grouped KV heads, RMSNorm, a SiLU-gated MLP. Run through the
 Hugging Face modules a decode step of such a model spends as long in small ops and module calls as in its matrix
 products; here a layer is four matrix products (fused QKV, output, fused gate/up, down), the norms, a RoPE lookup in
-precomputed tables, and paged attention. The weights are the loaded model's: the fused matrices are new tensors and
+precomputed tables, and paged attention. Where the row kernels' C++ library loads (row_kernels.py), an eager forward
+of a model large enough to have its products measured also runs RMSNorm, RoPE and SiLU(gate) * up as one operator
+each (rounded as the torch expressions; a compiled forward leaves them to the compiler). The weights are the loaded
+model's: the fused matrices are new tensors and
 the model's own projections become views into them, so nothing is held twice and the model still serves
 ``generate``.
 
@@ -22,7 +25,7 @@ from torch import Tensor, nn
 from ..decoder_support import unsupported_config
 from ..layer_math import rms_norm, rotate
 from ..quantize import Int8WeightOnlyLinear
-from . import matmul_choice
+from . import matmul_choice, row_kernels
 from .matmul_choice import KernelPlan, product
 from . import paged_attention  # noqa: F401  (registers torch.ops.specpipe.paged_attention)
 
@@ -169,14 +172,33 @@ class LlamaDecoder(nn.Module):
         _constant(self, "cos", cos[0])
         _constant(self, "sin", sin[0])
         self.kernels = kernels if kernels is not None else self._measure_kernels()
+        self.layer_ops = self._layer_ops()
+
+    def _matrices(self) -> list:
+        return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     def _measure_kernels(self) -> KernelPlan:
-        weights = [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        weights.append(self.lm_head)
+        weights = self._matrices()
         if any(not isinstance(w, Tensor) for w in weights) or \
                 matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
             return KernelPlan()  # int8 layers have one kernel; a small model's step is not its products
         return matmul_choice.measured_once(weights)
+
+    def _layer_ops(self) -> bool:
+        """Whether eager forwards run the per-token ops as the row kernels' operators: on a CPU where the library
+        loads, float32 or bfloat16 activations, and a model of matmul_choice.MIN_BYTES or more (the library is not
+        built for a small one)."""
+        size = sum(w.numel() * w.element_size() for w in self._matrices() if isinstance(w, Tensor))
+        size += sum(b.numel() * b.element_size() for m in self._matrices() if isinstance(m, nn.Module)
+                    for b in m.buffers())
+        return (self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
+                and size >= matmul_choice.MIN_BYTES and row_kernels.unavailable() is None)
+
+    def _fused(self) -> bool:
+        return self.layer_ops and not torch.compiler.is_compiling()
+
+    def _norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return row_kernels.rms_norm(x, weight, eps) if self._fused() else rms_norm(x, weight, eps)
 
     def forward(self, input_ids: Tensor, positions: Tensor, keep: Tensor,
                 hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -199,10 +221,14 @@ class LlamaDecoder(nn.Module):
         kind = self.kernels.kind(x.shape[0])
         captured = {}
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, rms_norm(x, layer.norm1, layer.eps1), cos, sin, kind)
-            h = product(kind, rms_norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
-            gate, up = h.split(layer.intermediate, dim=-1)
-            x = x + product(kind, F.silu(gate) * up, layer.down, layer.down_bias)
+            x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1), cos, sin, kind)
+            h = product(kind, self._norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
+            if self._fused():
+                gated = row_kernels.silu_mul(h)
+            else:
+                gate, up = h.split(layer.intermediate, dim=-1)
+                gated = F.silu(gate) * up
+            x = x + product(kind, gated, layer.down, layer.down_bias)
             if index in self.aux_layers:
                 captured[index] = x
         aux = torch.stack([captured[i] for i in self.aux_layers], dim=1) if captured else None
@@ -211,7 +237,7 @@ class LlamaDecoder(nn.Module):
     def final(self, x: Tensor, keep: Tensor) -> Tensor:
         """The final normed hidden states of the ``keep`` positions [K, d]: the LM head runs only where someone
         reads the logits."""
-        return rms_norm(x[keep], self.norm, self.eps)
+        return self._norm(x[keep], self.norm, self.eps)
 
     def head(self, final: Tensor) -> Tensor:
         return product(self.kernels.kind(final.shape[0]), final, self.lm_head, self.lm_head_bias)
@@ -219,9 +245,12 @@ class LlamaDecoder(nn.Module):
     def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kind: str) -> Tensor:
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
+        if self._fused():  # the query and key heads rotated in place, one operator
+            row_kernels.rope_(qkv, cos[:, 0], sin[:, 0], self.heads + self.kv_heads)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
-        q = rotate(q.view(tokens, self.heads, self.head_dim), cos, sin)
-        k = rotate(k.view(tokens, self.kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim)
+        if not self._fused():
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
         out = torch.ops.specpipe.paged_attention(q, k, v, index, layer.scaling)  # [T, heads, d]
         return product(kind, out.reshape(tokens, self.heads * self.head_dim), layer.o, layer.o_bias)

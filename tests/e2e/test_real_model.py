@@ -79,7 +79,10 @@ def test_engine_logits_match_hf(real_model_dir, target, chat_ids):
     second = runner.forward(["seq"], [ids[-5:]])[0, :5]
     got = torch.cat([first, second])
     assert got.shape == expected.shape
-    assert (got - expected).abs().max().item() < 1e-4
+    # float32 sums in other orders than aten's (the measured products, RMSNorm's squares in the C++ operators)
+    # over 30 layers: 1.1e-4 on logits up to 38 (3e-6 of their scale) measured; a wrong position, mask or rotation
+    # is off by orders of magnitude more
+    assert (got - expected).abs().max().item() < 1e-5 * expected.abs().max().item()
 
 
 # Each generates 3 x 48 tokens on the real model beside Hugging Face's own generate: slow (the quick loop keeps

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from pipeline.decoder_support import LEAN, MODULES, runner_for
-from pipeline.executor import row_kernels
+from pipeline.executor import matmul_choice, row_kernels
 from pipeline.executor.llama_decoder import LlamaDecoder
 from pipeline.executor.matmul_choice import KernelPlan
 from pipeline.executor.model_runner import BatchModelRunner
@@ -201,3 +201,35 @@ def test_aux_layers_outside_the_model_are_refused():
     for wrong in ((1,), (0, 0), (-1,)):  # 2 layers: the last one's output is the final hidden state
         with pytest.raises(ValueError, match=r"aux_layers: .* must be distinct decoder layers from 0 to 0"):
             BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, aux_layers=wrong)
+
+
+@pytest.mark.skipif(row_kernels.unavailable() is not None, reason="the row kernels' library does not load here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_layer_ops_give_the_torch_paths_logits(monkeypatch, dtype):
+    """A model of MIN_BYTES or more runs RMSNorm, RoPE and SiLU * up as the row kernels' operators in eager forwards;
+    the logits are the torch expressions' within rounding."""
+    model = VARIANTS["qwen2-qkv-bias"]().to(dtype)  # QKV bias: rotated after the bias is added
+    assert not LlamaDecoder(model, 64, kernels=KernelPlan()).layer_ops  # under MIN_BYTES
+    monkeypatch.setattr(matmul_choice, "MIN_BYTES", 1)
+    runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=8, max_blocks=16)
+    assert runner._decoder.layer_ops
+    calls = []
+    for name in ("rms_norm", "rope_", "silu_mul"):
+        monkeypatch.setattr(row_kernels, name, lambda *a, _f=getattr(row_kernels, name), _n=name: calls.append(_n)
+                            or _f(*a))
+    ids = [3, 9, 27, 4, 11, 30, 2]
+    runner.open("s", ids)
+    fused = runner.forward(["s"], [ids], logits_for=[len(ids)])
+    assert set(calls) == {"rms_norm", "rope_", "silu_mul"}
+    runner._decoder.layer_ops = False
+    runner.truncate("s", 0)
+    expected = runner.forward(["s"], [ids], logits_for=[len(ids)])
+    layers = len(model.model.layers)
+    assert len(calls) == 4 * layers + 1  # two norms, the rotation and the MLP's gate per layer, the final norm
+    assert (fused.float() - expected.float()).abs().max() < (1e-4 if dtype == torch.float32 else 0.1)
+    runner._decoder.layer_ops = True
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # what export sees: torch's operators
+    calls.clear()
+    runner.truncate("s", 0)
+    runner.forward(["s"], [ids], logits_for=[len(ids)])
+    assert calls == []

@@ -26,14 +26,15 @@ def test_the_table_has_both_runners_at_every_width(tiny_pair, tmp_path):
     assert all(row["ms"] > 0 for row in table["rows"]) and table["rows"][0]["vs_one_token"] == 1.0
     int8 = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--int8", "--dtype",
                            "bfloat16", "--widths", "2", "--rounds", "1", "--context", "20", "--threads", "1",
-                           "--sdpa-twins", "--json", str(out)],
+                           "--sdpa-twins", "--torch-ops-twins", "--json", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert int8.returncode == 0, int8.stderr
     assert "bfloat16 int8 weights" in int8.stdout and "lean decoder: lean; product by width: the int8 kernel" \
         in int8.stdout
     assert "attention kernel by width: {'1': " in int8.stdout  # measured for the bfloat16 heads
     twins = json.loads(out.read_text())
-    assert [row["runner"] for row in twins["rows"]] == ["hf-modules", "lean", "lean-sdpa"]
+    assert [row["runner"] for row in twins["rows"]] == ["hf-modules", "lean", "lean-sdpa", "lean-torch-ops"]
+    assert "per-token operations: torch" in int8.stdout  # a tiny model: the C++ operators are not built for it
     assert set(twins["attention"]["by_width"]) == {"1", "2", "4", "8", "16"}
     bad = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--widths", "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -1,0 +1,140 @@
+// The small per-token operations of a Llama-family layer as one operator each, for the eager lean decoder: RMSNorm,
+// rotary positions over the query and key heads of the fused QKV output (in place), and SiLU(gate) * up. Each
+// rounds as the torch expressions it replaces (pipeline/layer_math.py) do, to the model's dtype after every
+// operation (built with -ffp-contract=off, so no multiply and add are fused); only the order of RMSNorm's sum of
+// squares differs from aten's. Per token, so a token's result does not depend on its neighbours in the forward.
+// Built with rows_mm.cpp by pipeline/executor/row_kernels.py.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "lanes.h"
+
+namespace {
+
+using specpipe::Lanes;
+
+// Rounds to T (a no-op for float).
+template <typename T>
+inline float r(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+void rms_rows(const T* x, const T* w, T* out, int64_t tokens, int64_t dim, float eps) {
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = x + t * dim;
+      typename Lanes::V acc = Lanes::zero();
+      int64_t i = 0;
+      for (; i + Lanes::kWidth <= dim; i += Lanes::kWidth) {
+        const typename Lanes::V v = Lanes::load(row + i);
+        acc = Lanes::fma(v, v, acc);
+      }
+      float squares = Lanes::sum(acc);
+      for (; i < dim; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
+      const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
+      for (int64_t k = 0; k < dim; ++k)
+        out[t * dim + k] = static_cast<T>(static_cast<float>(w[k]) * r<T>(static_cast<float>(row[k]) * scale));
+    }
+  });
+}
+
+// x [T, d], weight [d] of x's dtype: weight * (x * rsqrt(mean(x^2) + eps)), the statistics in float32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) && x.scalar_type() ==
+              weight.scalar_type(), "rms_norm: x [T, d] and a weight [d] of its dtype");
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  if (x.scalar_type() == at::kFloat) {
+    rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
+    rms_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0),
+             x.size(1), eps);
+  }
+  return out;
+}
+
+template <typename T>
+void rope_rows(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t stride, int64_t heads, int64_t dim) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* c = cos + t * dim;
+      const T* s = sin + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        T* x = qkv + t * stride + h * dim;
+        for (int64_t i = 0; i < half; ++i) {  // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded
+          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
+          const float low = r<T>(r<T>(x1 * static_cast<float>(c[i])) + r<T>(-x2 * static_cast<float>(s[i])));
+          const float high =
+              r<T>(r<T>(x2 * static_cast<float>(c[i + half])) + r<T>(x1 * static_cast<float>(s[i + half])));
+          x[i] = static_cast<T>(low);
+          x[i + half] = static_cast<T>(high);
+        }
+      }
+    }
+  });
+}
+
+// qkv [T, C] (rows contiguous), cos/sin [T, d]: rotates the first ``heads`` heads of d columns of every row in place
+// (the query and key heads of a fused QKV output; the value heads after them are left alone).
+void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t dim = cos.size(-1);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+              cos.size(0) == qkv.size(0) && dim % 2 == 0 && heads * dim <= qkv.size(1),
+              "rope_: qkv [T, C] with contiguous rows, cos and sin [T, d], heads * d <= C");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && cos.scalar_type() == sin.scalar_type(),
+              "rope_: qkv, cos and sin of one dtype");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous();
+  if (qkv.scalar_type() == at::kFloat) {
+    rope_rows(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), qkv.size(0), qkv.stride(0), heads,
+              dim);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_: float32 or bfloat16, got ", qkv.scalar_type());
+    rope_rows(qkv.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(), qkv.size(0),
+              qkv.stride(0), heads, dim);
+  }
+}
+
+template <typename T>
+void silu_rows(const T* h, T* out, int64_t tokens, int64_t width) {
+  at::parallel_for(0, tokens, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* gate = h + t * 2 * width;
+      const T* up = gate + width;
+      for (int64_t i = 0; i < width; ++i) {
+        const float g = static_cast<float>(gate[i]);
+        out[t * width + i] = static_cast<T>(r<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(up[i]));
+      }
+    }
+  });
+}
+
+// h [T, 2 I] (gate then up, as the fused gate/up product gives them) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& h) {
+  TORCH_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "silu_mul: h [T, 2 I]");
+  const at::Tensor hc = h.contiguous();
+  at::Tensor out = at::empty({h.size(0), h.size(1) / 2}, h.options());
+  if (h.scalar_type() == at::kFloat) {
+    silu_rows(hc.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1) / 2);
+  } else {
+    TORCH_CHECK(h.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16, got ", h.scalar_type());
+    silu_rows(hc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), h.size(0), h.size(1) / 2);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(specpipe_rows, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> ()");
+  m.def("silu_mul(Tensor h) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(specpipe_rows, CPU, m) {
+  m.impl("rms_norm", rms_norm);
+  m.impl("rope_", rope_);
+  m.impl("silu_mul", silu_mul);
+}
