@@ -10,6 +10,9 @@ per query width over the head shape and dtype the engine runs, and one other tha
 faster. Prompt chunks (wider than any measured width) and CUDA keep SDPA. All compute the same attention and round
 differently (the grouped one as Hugging Face's eager attention does: products in the model's dtype, softmax in
 float32).
+
+Each kernel reads copies of a row's keys and values gathered from the paged pools through its block table, and is
+timed with the gather, over keys scattered in pools as the engine's.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ KINDS = ("sdpa", "grouped", "sdpa_f32")
 FLOAT32_MASK = {"sdpa_f32"}  # kernels that attend in float32 take their mask in float32 (made once per step)
 WIDTHS = (1, 2, 4, 8, 16)
 LENGTHS = (128, 512)  # keys a row attends over, timed at each (a chat's context is mostly in this range)
+BLOCK_SIZE = 16  # of the pools the kernels are timed over
 ROUNDS = 5
 CALLS = 4  # per timing: one call is tens of microseconds, close to the timer's own noise on a shared machine
 
@@ -59,6 +63,27 @@ def sdpa_f32(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: flo
 
 
 KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}
+
+
+def attend_rows(kind: str, query: Tensor, key: Tensor, value: Tensor, blocks: Tensor, mask: Tensor,
+                scale: float | None) -> Tensor:
+    """Kernel ``kind``'s attention of query [n, W, heads, d] over one layer's block pools key/value [blocks,
+    block_size, kv_heads, d], row i reading the blocks ``blocks[i]`` ([n, B]); mask [n, 1, W, B * block_size]
+    additive, in mask_dtype(kind). -> [n, W, heads, d]."""
+    n, width, heads, dim = query.shape
+    kv_heads, length = key.shape[2], blocks.shape[1] * key.shape[1]
+    # index_select copies whole blocks row by row; advanced indexing (key[blocks]) goes through the generic
+    # index kernel, 4x slower for the same bytes on a CPU, and it runs twice per layer per step.
+    flat = blocks.reshape(-1)
+    k = key.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, L, d]
+    v = value.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)
+    # The kernels attend grouped-query without copying each KV head for its query heads (4x the attention).
+    return KERNELS[kind](query.transpose(1, 2), k, v, mask, scale).transpose(1, 2)
+
+
+def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels worth timing for ``dtype``: sdpa_f32 not in float32, where it is SDPA itself."""
+    return tuple(kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32))
 
 
 def mask_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
@@ -99,29 +124,32 @@ def choose(times_us: dict[tuple[str, int], float]) -> dict[int, str]:
 def measure(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, dim: int,
             widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS
             ) -> AttentionPlan:
-    """Time every kernel on one row at each width, summed over ``lengths`` keys, interleaved over ``rounds``,
-    keeping each one's best (sdpa_f32 not in float32, where it is SDPA itself)."""
-    kinds = [kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)]
+    """Time each of kinds_for(dtype) on one row at each width, its keys in scattered blocks of pools as the
+    engine's and gathered as a step gathers them, summed over ``lengths`` keys, interleaved over ``rounds``,
+    keeping each one's best."""
+    kinds = kinds_for(dtype)
     cases = {}
     for width in widths:
         for length in lengths:
-            tensors = [torch.randn(1, count, rows, dim, dtype=dtype, device=device)
-                       for count, rows in ((heads, width), (kv_heads, length), (kv_heads, length))]
+            blocks = length // BLOCK_SIZE
+            pools = [torch.randn(2 * blocks, BLOCK_SIZE, kv_heads, dim, dtype=dtype, device=device) for _ in "kv"]
+            table = torch.randperm(2 * blocks, device=device)[:blocks][None]
+            query = torch.randn(1, width, heads, dim, dtype=dtype, device=device)
             for kind in kinds:  # each with its mask in the dtype the engine gives it (mask_dtype)
                 masking = mask_dtype(kind, dtype)
                 mask = torch.zeros(1, 1, width, length, dtype=masking, device=device)
                 mask[..., length - width + 1:] = torch.finfo(masking).min  # causal over the last keys, as a verify
-                cases[kind, width, length] = (*tensors, mask)
+                cases[kind, width, length] = (query, *pools, table, mask)
     best: dict[tuple[str, int], float] = {}
     for kind in kinds:  # warm-up: first calls allocate and pick their paths
-        KERNELS[kind](*cases[kind, widths[0], lengths[0]], None)
+        attend_rows(kind, *cases[kind, widths[0], lengths[0]], None)
     for _ in range(rounds):
         for width in widths:
             for kind in kinds:
                 start = time.perf_counter()
                 for length in lengths:
                     for _ in range(CALLS):
-                        KERNELS[kind](*cases[kind, width, length], None)
+                        attend_rows(kind, *cases[kind, width, length], None)
                 elapsed = (time.perf_counter() - start) / CALLS * 1e6
                 best[kind, width] = min(best.get((kind, width), float("inf")), elapsed)
     return AttentionPlan(choose(best), best)
@@ -151,6 +179,7 @@ def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv
     device = torch.device(device)
     if device.type == "cuda" or heads % kv_heads:
         return AttentionPlan()
-    key = ("attention", KINDS, str(dtype), str(device), heads, kv_heads, dim)  # a new kernel measures anew
+    # a new kernel set, or a new way of timing them, measures anew
+    key = ("attention", KINDS, "gathered", str(dtype), str(device), heads, kv_heads, dim)
     return remembered(_PLANS, key, AttentionPlan, "times_us", KINDS,
                       lambda: measure(dtype, device, heads, kv_heads, dim))

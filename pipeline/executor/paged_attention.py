@@ -30,7 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from .attention_choice import KERNELS
+from .attention_choice import attend_rows
 
 ATTENTION_NAME = "specpipe_paged"
 
@@ -111,26 +111,15 @@ def attend(plan: ForwardPlan, query: Tensor, key: Tensor, value: Tensor, scaling
     pools [blocks, block_size, kv_heads, d], this forward's keys and values already written. Returns
     [1, T, heads, d]."""
     heads, dim = query.shape[1], query.shape[3]
-    kv_heads, block_size = key.shape[2], key.shape[1]
     out = None if plan.groups[0].dense else query.new_empty(plan.tokens, heads, dim)
     packed = query[0].transpose(0, 1)  # [T, heads, d]
     for group in plan.groups:
         n, width = group.query_index.shape
+        q = packed.reshape(n, width, heads, dim) if group.dense else packed[group.query_index]  # [n, W, heads, d]
+        result = attend_rows(group.kernel, q, key, value, group.blocks, group.mask, scaling)  # [n, W, heads, d]
         if group.dense:
-            q = query[0].view(heads, n, width, dim).transpose(0, 1)  # [n, heads, W, d]
-        else:
-            q = packed[group.query_index].transpose(1, 2)  # [n, heads, W, d]
-        length = group.blocks.shape[1] * block_size
-        # index_select copies whole blocks row by row; advanced indexing (key[blocks]) goes through the generic
-        # index kernel, 4x slower for the same bytes on a CPU, and it runs twice per layer per step.
-        flat = group.blocks.reshape(-1)
-        k = key.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)  # [n, kv_heads, L, d]
-        v = value.index_select(0, flat).view(n, length, kv_heads, dim).transpose(1, 2)
-        # The kernels attend grouped-query without copying each KV head for its query heads (4x the attention).
-        result = KERNELS[group.kernel](q, k, v, group.mask, scaling)  # [n, heads, W, d]
-        if group.dense:
-            return result.transpose(1, 2).reshape(1, n * width, heads, dim)
-        out[group.tokens] = result.transpose(1, 2).reshape(n * width, heads, dim)[group.slots]
+            return result.reshape(1, n * width, heads, dim)
+        out[group.tokens] = result.reshape(n * width, heads, dim)[group.slots]
     return out[None]
 
 

@@ -1,5 +1,6 @@
-"""pipeline/executor/attention_choice.py: every kernel computes SDPA's grouped-query attention under any mask, the
-plan takes a kernel only where it is clearly faster, and a measured plan is kept per head shape on disk."""
+"""pipeline/executor/attention_choice.py: every kernel computes SDPA's grouped-query attention under any mask over
+keys scattered in paged pools, the plan takes a kernel only where it is clearly faster, and a measured plan is kept
+per head shape on disk."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.executor import attention_choice
-from pipeline.executor.attention_choice import KERNELS, AttentionPlan, choose
+from pipeline.executor.attention_choice import KINDS, AttentionPlan, attend_rows, choose, mask_dtype
+
+BLOCK = 4
 
 
-def _inputs(dtype=torch.float32, n=2, heads=6, kv_heads=2, width=3, length=20, dim=8):
+def _inputs(dtype=torch.float32, n=2, heads=6, kv_heads=2, width=3, length=20, dim=16):
     gen = torch.Generator().manual_seed(0)
     query = torch.randn(n, heads, width, dim, generator=gen).to(dtype)
     key = torch.randn(n, kv_heads, length, dim, generator=gen).to(dtype)
@@ -35,21 +38,36 @@ def _reference(query, key, value, mask, scale):
     return torch.softmax(scores, dim=-1) @ v
 
 
-@pytest.mark.parametrize("kind", list(KERNELS))
+def _paged(kind, query, key, value, mask, scale):
+    """attend_rows over pools holding each row's keys and values in scattered blocks (and other rows' blocks
+    between them), the query and output [n, heads, W, d] as _reference's."""
+    n, kv_heads, length, dim = key.shape
+    blocks = length // BLOCK
+    table = torch.randperm(2 * n * blocks, generator=torch.Generator().manual_seed(1))[:n * blocks].view(n, blocks)
+    pools = []
+    for tensor in (key, value):
+        pool = torch.randn(2 * n * blocks, BLOCK, kv_heads, dim).to(tensor.dtype)  # other rows' KV: never read
+        pool[table.reshape(-1)] = tensor.transpose(1, 2).reshape(n * blocks, BLOCK, kv_heads, dim)
+        pools.append(pool)
+    out = attend_rows(kind, query.transpose(1, 2), *pools, table, mask.to(mask_dtype(kind, query.dtype)), scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_computes_grouped_query_attention(kind):
     query, key, value, mask = _inputs()
-    out = KERNELS[kind](query, key, value, mask, 0.3)
+    out = _paged(kind, query, key, value, mask, 0.3)
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.allclose(out.double(), _reference(query, key, value, mask, 0.3), atol=1e-5)
     # the default scale is SDPA's, 1/sqrt(d)
-    assert torch.allclose(KERNELS[kind](query, key, value, mask, None).double(),
-                          _reference(query, key, value, mask, 8 ** -0.5), atol=1e-5)
+    assert torch.allclose(_paged(kind, query, key, value, mask, None).double(),
+                          _reference(query, key, value, mask, 16 ** -0.5), atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", list(KERNELS))
+@pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_keeps_16_bit_inputs_close_to_float32(kind):
     query, key, value, mask = _inputs(torch.bfloat16)
-    out = KERNELS[kind](query, key, value, mask, 0.3)
+    out = _paged(kind, query, key, value, mask, 0.3)
     assert out.dtype == torch.bfloat16
     expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask.float(),
                                               scale=0.3, enable_gqa=True)
@@ -69,11 +87,11 @@ def test_the_plan_keeps_sdpa_unless_another_kernel_is_clearly_faster():
 
 
 def test_a_real_measurement_times_every_kernel_at_every_width():
-    plan = attention_choice.measure(torch.bfloat16, torch.device("cpu"), 4, 2, 8, widths=(1, 3), lengths=(16,),
+    plan = attention_choice.measure(torch.bfloat16, torch.device("cpu"), 4, 2, 16, widths=(1, 3), lengths=(32,),
                                     rounds=1)
-    assert set(plan.times_us) == {(kind, w) for kind in KERNELS for w in (1, 3)}
-    assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(KERNELS)
-    float32 = attention_choice.measure(torch.float32, torch.device("cpu"), 4, 2, 8, widths=(1,), lengths=(16,),
+    assert set(plan.times_us) == {(kind, w) for kind in KINDS for w in (1, 3)}
+    assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(KINDS)
+    float32 = attention_choice.measure(torch.float32, torch.device("cpu"), 4, 2, 16, widths=(1,), lengths=(32,),
                                        rounds=1)
     assert {kind for kind, _ in float32.times_us} == {"sdpa", "grouped"}  # float32 copies of float32: no third
 
