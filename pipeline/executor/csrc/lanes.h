@@ -18,8 +18,6 @@ struct Lanes {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static V fma(V a, V b, V acc) { return _mm512_fmadd_ps(a, b, acc); }
-  static V set1(float a) { return _mm512_set1_ps(a); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
 };
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -34,8 +32,6 @@ struct Lanes {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static V fma(V a, V b, V acc) { return _mm256_fmadd_ps(a, b, acc); }
-  static V set1(float a) { return _mm256_set1_ps(a); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static float sum(V v) {  // a fixed tree: halves, then pairs
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
