@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from ..decoder_support import unsupported_config
 from ..layer_math import rms_norm, rotate
 from ..quantize import Int8WeightOnlyLinear
-from . import matmul_choice, row_kernels
+from . import huge_pages, matmul_choice, row_kernels
 from .matmul_choice import KernelPlan, product
 from . import paged_attention  # noqa: F401  (registers torch.ops.specpipe.paged_attention)
 
@@ -59,12 +59,15 @@ def _user_hooks(module) -> bool:
     return any(not getattr(hook, "__module__", "").startswith("transformers.utils.output_capturing") for hook in hooks)
 
 
-def _fuse(linears: list) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
-    """One [sum(out), in] matrix (and bias) holding ``linears``' weights; each linear's weight (and bias) becomes a
-    view into it, so the memory is not doubled. int8 layers fuse into one int8 layer (the bias inside it)."""
+def _fuse(linears: list, arena: huge_pages.Arena | None = None) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
+    """One [sum(out), in] matrix (and bias) holding ``linears``' weights (in ``arena`` when given); each linear's
+    weight (and bias) becomes a view into it, so the memory is not doubled. int8 layers fuse into one int8 layer
+    (the bias inside it). One linear is "fused" too when it moves into an arena."""
     if isinstance(linears[0], Int8WeightOnlyLinear):
         return _fuse_int8(linears), None
     weight = torch.cat([linear.weight.detach() for linear in linears])
+    if arena is not None:
+        weight = arena.copy(weight)
     bias = _stacked_bias(linears, weight)
     start = 0
     for linear in linears:
@@ -100,10 +103,13 @@ def _fuse_int8(layers: list[Int8WeightOnlyLinear]) -> Int8WeightOnlyLinear:
     return fused
 
 
-def _matrix(linear) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
-    """An unfused projection as (weight, bias); an int8 layer is kept whole (it applies its bias)."""
+def _matrix(linear, arena: huge_pages.Arena | None = None) -> tuple[Tensor | Int8WeightOnlyLinear, Tensor | None]:
+    """An unfused projection as (weight, bias) (moved into ``arena`` when given); an int8 layer is kept whole (it
+    applies its bias)."""
     if isinstance(linear, Int8WeightOnlyLinear):
         return linear, None
+    if arena is not None:
+        return _fuse([linear], arena)
     return linear.weight.detach(), linear.bias
 
 
@@ -116,13 +122,13 @@ def _constant(module: nn.Module, name: str, tensor: Tensor | None) -> None:
 class _Layer(nn.Module):
     """One decoder layer's weights (as parameters: see _constant)."""
 
-    def __init__(self, layer):
+    def __init__(self, layer, arena: huge_pages.Arena | None = None):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
-        self._weight("qkv", *_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
-        self._weight("o", *_matrix(attn.o_proj))
-        self._weight("gate_up", *_fuse([mlp.gate_proj, mlp.up_proj]))
-        self._weight("down", *_matrix(mlp.down_proj))
+        self._weight("qkv", *_fuse([attn.q_proj, attn.k_proj, attn.v_proj], arena))
+        self._weight("o", *_matrix(attn.o_proj, arena))
+        self._weight("gate_up", *_fuse([mlp.gate_proj, mlp.up_proj], arena))
+        self._weight("down", *_matrix(mlp.down_proj, arena))
         _constant(self, "norm1", layer.input_layernorm.weight.detach())
         _constant(self, "norm2", layer.post_attention_layernorm.weight.detach())
         self.eps1, self.eps2 = layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm.variance_epsilon
@@ -137,6 +143,19 @@ class _Layer(nn.Module):
         else:
             _constant(self, name, weight)
         _constant(self, f"{name}_bias", None if bias is None else bias.detach())
+
+
+def _arena(model) -> huge_pages.Arena | None:
+    """Huge-page memory for the model's weight matrices (huge_pages.py): for a float model of
+    matmul_choice.MIN_BYTES or more on a CPU where Linux gives them; else None (the matrices stay where torch put
+    them)."""
+    linears = [m for m in model.model.layers.modules() if isinstance(m, tuple(MATRIX_TYPES))] + [model.lm_head]
+    if any(not isinstance(m, nn.Linear) for m in linears) or model.lm_head.weight.device.type != "cpu":
+        return None
+    sizes = [huge_pages.padded(m.weight.numel() * m.weight.element_size()) for m in linears]
+    if sum(sizes) < matmul_choice.MIN_BYTES or huge_pages.unavailable() is not None:
+        return None
+    return huge_pages.Arena(sum(sizes))
 
 
 class LlamaDecoder(nn.Module):
@@ -156,11 +175,15 @@ class LlamaDecoder(nn.Module):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
-        _constant(self, "embed", body.embed_tokens.weight.detach())
-        self.layers = nn.ModuleList(_Layer(layer) for layer in body.layers)
+        arena = _arena(model)
+        tied = model.lm_head.weight is body.embed_tokens.weight
+        self.layers = nn.ModuleList(_Layer(layer, arena) for layer in body.layers)
         _constant(self, "norm", body.norm.weight.detach())
         self.eps = body.norm.variance_epsilon
-        lm_head, lm_head_bias = _matrix(model.lm_head)
+        lm_head, lm_head_bias = _matrix(model.lm_head, arena)
+        if tied and arena is not None:  # the model's embedding is the LM head's weight, now in the arena
+            body.embed_tokens.weight = model.lm_head.weight
+        _constant(self, "embed", body.embed_tokens.weight.detach())
         if isinstance(lm_head, nn.Module):
             self.lm_head = lm_head
         else:

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from pipeline.decoder_support import LEAN, MODULES, runner_for
-from pipeline.executor import matmul_choice, row_kernels
+from pipeline.executor import huge_pages, matmul_choice, row_kernels
 from pipeline.executor.llama_decoder import LlamaDecoder
 from pipeline.executor.matmul_choice import KernelPlan
 from pipeline.executor.model_runner import BatchModelRunner
@@ -233,3 +233,27 @@ def test_the_fused_layer_ops_give_the_torch_paths_logits(monkeypatch, dtype):
     runner.truncate("s", 0)
     runner.forward(["s"], [ids], logits_for=[len(ids)])
     assert calls == []
+
+
+@pytest.mark.skipif(huge_pages.unavailable() is not None, reason="no transparent huge pages here")
+@pytest.mark.parametrize("variant", ["llama3-rope-tied", "qwen2-qkv-bias"])
+def test_a_large_models_matrices_move_into_one_huge_page_arena_and_the_model_follows(monkeypatch, variant):
+    """From MIN_BYTES on, the decoder's matrices are copies in one arena, the model's own projections (and a tied
+    embedding) views of them, and the logits are the same."""
+    model = VARIANTS[variant]()
+    ids = torch.tensor([[3, 9, 27, 4, 11]])
+    with torch.no_grad():
+        before = model(ids).logits
+    monkeypatch.setattr(matmul_choice, "MIN_BYTES", 1)
+    decoder = LlamaDecoder(model, 64, kernels=KernelPlan())
+    layer, attn = decoder.layers[0], model.model.layers[0].self_attn
+    base = decoder.layers[0].qkv.untyped_storage().data_ptr()
+    for matrix in (layer.qkv, layer.o, layer.gate_up, layer.down, decoder.lm_head):
+        assert matrix.untyped_storage().data_ptr() == base  # one mapping
+    assert attn.k_proj.weight.data_ptr() == layer.qkv.data_ptr() + attn.q_proj.weight.numel() * 4
+    assert attn.o_proj.weight.data_ptr() == layer.o.data_ptr()
+    if variant.endswith("tied"):
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert decoder.embed.data_ptr() == decoder.lm_head.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
