@@ -11,6 +11,7 @@ step of SmolLM2-135M ran 8-10% faster with them (interleaved in one process; doc
 from __future__ import annotations
 
 import mmap
+import os
 from pathlib import Path
 
 import torch
@@ -18,10 +19,13 @@ from torch import Tensor
 
 SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGN = 64  # bytes: every tensor starts on a cache line
+OFF_SWITCH = "SPECPIPE_NO_HUGE_PAGES"  # set (to anything) to leave the matrices where torch put them
 
 
 def unavailable(setting: Path = SETTING) -> str | None:
     """Why an Arena cannot ask for huge pages here (a sentence), or None."""
+    if os.environ.get(OFF_SWITCH):
+        return f"turned off by {OFF_SWITCH}"
     if not hasattr(mmap, "MADV_HUGEPAGE"):
         return "this system has no madvise(MADV_HUGEPAGE)"
     try:

@@ -32,10 +32,13 @@ def test_what_does_not_fit_is_refused():
         arena.copy(torch.zeros(32))
 
 
-def test_where_huge_pages_cannot_be_asked_for_it_says_why(tmp_path):
+def test_where_huge_pages_cannot_be_asked_for_it_says_why(tmp_path, monkeypatch):
+    monkeypatch.delenv(huge_pages.OFF_SWITCH, raising=False)
     setting = tmp_path / "enabled"
     assert "cannot be read" in huge_pages.unavailable(setting)
     setting.write_text("always madvise [never]\n")
     assert "off" in huge_pages.unavailable(setting)
     setting.write_text("always [madvise] never\n")
     assert huge_pages.unavailable(setting) is None
+    monkeypatch.setenv(huge_pages.OFF_SWITCH, "1")
+    assert "turned off" in huge_pages.unavailable(setting)
