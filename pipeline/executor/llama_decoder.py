@@ -7,9 +7,8 @@ products; here a layer is four matrix products (fused QKV, output, fused gate/up
 precomputed tables, and paged attention. Where the row kernels' C++ library loads (row_kernels.py), an eager forward
 of a model large enough to have its products measured also runs RMSNorm, RoPE and SiLU(gate) * up as one operator
 each (rounded as the torch expressions; a compiled forward leaves them to the compiler). The weights are the loaded
-model's: the fused matrices are new tensors and
-the model's own projections become views into them, so nothing is held twice and the model still serves
-``generate``.
+model's: the fused matrices are new tensors (for such a model, in one block of huge pages: huge_pages.py) and the
+model's own projections become views into them, so nothing is held twice and the model still serves ``generate``.
 
 ``unsupported(model)`` says why a model must stay on the Hugging Face path (None when it may run here; the rules on
 config.json alone are pipeline/decoder_support.py's, which `check` and the build use); the engine checks it and
