@@ -9,9 +9,9 @@ With --compile, the lean decoder compiled per width bucket is a third runner (it
 --sdpa-twins each lean runner is timed twice, with the attention kernels measured per width (attention_choice) and
 with SDPA at every width; with --linear-twins the eager lean runner is timed again with F.linear at every width in
 place of the products measured per width (matmul_choice); with --torch-ops-twins it is timed again with RMSNorm,
-RoPE and SiLU * up as torch operators in place of the row kernels' C++ operators (row_kernels). The runners hold the same model (the lean one's fused
-matrices are the weights the modules read) and the same --context tokens of KV; each forward of W tokens is rolled
-back, so every width is timed at the same length. Best of --rounds rounds, the runners and widths interleaved in
+RoPE and SiLU * up as torch operators in place of the row kernels' C++ operators (row_kernels). The runners hold
+the same model (the lean one's fused matrices are the weights the modules read) and the same --context tokens of
+KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best of --rounds rounds, the runners and widths interleaved in
 each (the machine is shared). Prints the CPU model, the lean decoder's measured product and attention kernel per
 width, and a table: ms per forward and its ratio to a 1-token forward.
 """

@@ -80,7 +80,8 @@ def test_runner_lines_say_the_runner_and_the_product_per_width():
         "draft runner: hf-modules (model_type 'gpt2' is not one of llama, mistral, qwen2); attention by query "
         "width: SDPA at every width"]
     assert runner_lines(None) == []
-    info["target"]["rows_kernel"] = "needs AVX2 and FMA, or AVX-512 (fma missing on this CPU)"  # why rows is not among them
+    # why rows is not among them
+    info["target"]["rows_kernel"] = "needs AVX2 and FMA, or AVX-512 (fma missing on this CPU)"
     assert runner_lines(info)[0].startswith("target runner: lean; matrix product by forward width: 1: linear, 2: "
                                             "w_xt (no rows kernel: needs AVX2 and FMA, or AVX-512 (fma missing on this "
                                             "CPU));")
