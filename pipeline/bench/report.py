@@ -59,8 +59,9 @@ def runner_lines(info: dict | None) -> list[str]:
     for role, facts in (info or {}).items():
         kernels = (facts["kernels"] or {}).get("by_width") or {}
         products = ", ".join(f"{width}: {kind}" for width, kind in kernels.items()) or "F.linear at every width"
-        if not str(facts.get("rows_kernel") or "loaded").startswith(("loaded", "not tried")):
-            products += f" (no rows kernel: {facts['rows_kernel']})"
+        rows_kernel = facts.get("rows_kernel")
+        if rows_kernel and not rows_kernel.startswith(("loaded", "not tried")):
+            products += f" (no rows kernel: {rows_kernel})"
         compiled = facts.get("compiled")
         if compiled:
             products = f"compiled per width bucket {compiled['buckets']} (warm-up {compiled['warm_up_s']} s)"

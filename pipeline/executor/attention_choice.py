@@ -81,11 +81,6 @@ def attend_rows(kind: str, query: Tensor, key: Tensor, value: Tensor, blocks: Te
     return KERNELS[kind](query.transpose(1, 2), k, v, mask, scale).transpose(1, 2)
 
 
-def kinds_for(dtype: torch.dtype) -> tuple[str, ...]:
-    """The kernels worth timing for ``dtype``: sdpa_f32 not in float32, where it is SDPA itself."""
-    return tuple(kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32))
-
-
 def mask_dtype(kind: str, dtype: torch.dtype) -> torch.dtype:
     """The dtype kernel ``kind`` takes its mask in, for a model of ``dtype``."""
     return torch.float32 if kind in FLOAT32_MASK else dtype
@@ -124,10 +119,10 @@ def choose(times_us: dict[tuple[str, int], float]) -> dict[int, str]:
 def measure(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, dim: int,
             widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS
             ) -> AttentionPlan:
-    """Time each of kinds_for(dtype) on one row at each width, its keys in scattered blocks of pools as the
-    engine's and gathered as a step gathers them, summed over ``lengths`` keys, interleaved over ``rounds``,
-    keeping each one's best."""
-    kinds = kinds_for(dtype)
+    """Time every kernel on one row at each width, its keys in scattered blocks of pools as the engine's and
+    gathered as a step gathers them, summed over ``lengths`` keys, interleaved over ``rounds``, keeping each one's
+    best (sdpa_f32 not in float32, where it is SDPA itself)."""
+    kinds = [kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)]
     cases = {}
     for width in widths:
         for length in lengths:

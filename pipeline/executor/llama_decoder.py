@@ -144,17 +144,22 @@ class _Layer(nn.Module):
         _constant(self, f"{name}_bias", None if bias is None else bias.detach())
 
 
+def _matrix_bytes(model) -> int:
+    """Bytes of the model's weight matrices: its decoder layers' projections and its LM head (an int8 layer's
+    buffers included)."""
+    modules = [m for m in model.model.layers.modules() if type(m) in MATRIX_TYPES] + [model.lm_head]
+    return sum(t.numel() * t.element_size() for m in modules
+               for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+
+
 def _arena(model) -> huge_pages.Arena | None:
-    """Huge-page memory for the model's weight matrices (huge_pages.py): for a float model of
-    matmul_choice.MIN_BYTES or more on a CPU where Linux gives them; else None (the matrices stay where torch put
-    them)."""
-    linears = [m for m in model.model.layers.modules() if isinstance(m, tuple(MATRIX_TYPES))] + [model.lm_head]
-    if any(not isinstance(m, nn.Linear) for m in linears) or model.lm_head.weight.device.type != "cpu":
+    """Huge-page memory for the model's weight matrices (huge_pages.py), for a float model on a CPU where Linux
+    gives them; else None (the matrices stay where torch put them)."""
+    linears = [m for m in model.model.layers.modules() if type(m) in MATRIX_TYPES] + [model.lm_head]
+    if any(not isinstance(m, nn.Linear) for m in linears) or model.lm_head.weight.device.type != "cpu" \
+            or huge_pages.unavailable() is not None:
         return None
-    sizes = [huge_pages.padded(m.weight.numel() * m.weight.element_size()) for m in linears]
-    if sum(sizes) < matmul_choice.MIN_BYTES or huge_pages.unavailable() is not None:
-        return None
-    return huge_pages.Arena(sum(sizes))
+    return huge_pages.Arena(sum(huge_pages.padded(m.weight.numel() * m.weight.element_size()) for m in linears))
 
 
 class LlamaDecoder(nn.Module):
@@ -174,7 +179,11 @@ class LlamaDecoder(nn.Module):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
-        arena = _arena(model)
+        # From MIN_BYTES on a step is its weights' bytes: the matrices go to huge pages and the per-token operations
+        # to the row kernels' operators (a small model's step is not its arithmetic, and the library is not built
+        # for it)
+        large = _matrix_bytes(model) >= matmul_choice.MIN_BYTES
+        arena = _arena(model) if large else None
         tied = model.lm_head.weight is body.embed_tokens.weight
         self.layers = nn.ModuleList(_Layer(layer, arena) for layer in body.layers)
         _constant(self, "norm", body.norm.weight.detach())
@@ -194,7 +203,9 @@ class LlamaDecoder(nn.Module):
         _constant(self, "cos", cos[0])
         _constant(self, "sin", sin[0])
         self.kernels = kernels if kernels is not None else self._measure_kernels()
-        self.layer_ops = self._layer_ops()
+        # whether eager forwards run the per-token operations as the row kernels' operators
+        self.layer_ops = (large and self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
+                          and row_kernels.unavailable() is None)
 
     def _matrices(self) -> list:
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
@@ -206,21 +217,14 @@ class LlamaDecoder(nn.Module):
             return KernelPlan()  # int8 layers have one kernel; a small model's step is not its products
         return matmul_choice.measured_once(weights)
 
-    def _layer_ops(self) -> bool:
-        """Whether eager forwards run the per-token ops as the row kernels' operators: on a CPU where the library
-        loads, float32 or bfloat16 activations, and a model of matmul_choice.MIN_BYTES or more (the library is not
-        built for a small one)."""
-        size = sum(w.numel() * w.element_size() for w in self._matrices() if isinstance(w, Tensor))
-        size += sum(b.numel() * b.element_size() for m in self._matrices() if isinstance(m, nn.Module)
-                    for b in m.buffers())
-        return (self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
-                and size >= matmul_choice.MIN_BYTES and row_kernels.unavailable() is None)
-
     def _fused(self) -> bool:
+        """Whether this forward runs the row kernels' operators (a compiled or exported one leaves the per-token
+        operations to the compiler)."""
         return self.layer_ops and not torch.compiler.is_compiling()
 
-    def _norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        return row_kernels.rms_norm(x, weight, eps) if self._fused() else rms_norm(x, weight, eps)
+    @staticmethod
+    def _norm(x: Tensor, weight: Tensor, eps: float, fused: bool) -> Tensor:
+        return row_kernels.rms_norm(x, weight, eps) if fused else rms_norm(x, weight, eps)
 
     def forward(self, input_ids: Tensor, positions: Tensor, keep: Tensor,
                 hidden: bool = False) -> Tensor | tuple[Tensor, Tensor]:
@@ -240,12 +244,12 @@ class LlamaDecoder(nn.Module):
         """The residual stream after the last layer [T, d], and after each of aux_layers [T, n, d] (or None)."""
         x = self.embed[input_ids]  # [T, d]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
-        kind = self.kernels.kind(x.shape[0])
+        kind, fused = self.kernels.kind(x.shape[0]), self._fused()
         captured = {}
         for index, layer in enumerate(self.layers):
-            x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1), cos, sin, kind)
-            h = product(kind, self._norm(x, layer.norm2, layer.eps2), layer.gate_up, layer.gate_up_bias)
-            if self._fused():
+            x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1, fused), cos, sin, kind, fused)
+            h = product(kind, self._norm(x, layer.norm2, layer.eps2, fused), layer.gate_up, layer.gate_up_bias)
+            if fused:
                 gated = row_kernels.silu_mul(h)
             else:
                 gate, up = h.split(layer.intermediate, dim=-1)
@@ -259,19 +263,20 @@ class LlamaDecoder(nn.Module):
     def final(self, x: Tensor, keep: Tensor) -> Tensor:
         """The final normed hidden states of the ``keep`` positions [K, d]: the LM head runs only where someone
         reads the logits."""
-        return self._norm(x[keep], self.norm, self.eps)
+        return self._norm(x[keep], self.norm, self.eps, self._fused())
 
     def head(self, final: Tensor) -> Tensor:
         return product(self.kernels.kind(final.shape[0]), final, self.lm_head, self.lm_head_bias)
 
-    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kind: str) -> Tensor:
+    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kind: str,
+                   fused: bool) -> Tensor:
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
-        if self._fused():  # the query and key heads rotated in place, one operator
+        if fused:  # the query and key heads rotated in place, one operator
             row_kernels.rope_(qkv, cos[:, 0], sin[:, 0], self.heads + self.kv_heads)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
         q, k = q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim)
-        if not self._fused():
+        if not fused:
             q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         v = v.view(tokens, self.kv_heads, self.head_dim)
         out = torch.ops.specpipe.paged_attention(q, k, v, index, layer.scaling)  # [T, heads, d]

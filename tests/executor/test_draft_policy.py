@@ -171,6 +171,16 @@ def test_a_cold_engine_drafts_to_find_out_when_the_price_says_no():
     assert steps == [0] * 20  # warm now: the price alone decides, and a rejected pair does not pay
 
 
+def test_a_cold_engine_drafts_only_for_rows_due_for_a_probe():
+    """Cold, a row whose probe the target rejected waits for its next probe like any other: the cold start adds a
+    token to probes, not to every step."""
+    policy = _dear_draft_policy()
+    assert policy.plan([5], [ENGINE_DRAFT_LEN])[0] == 1
+    policy.observe(5, 1, 0)  # rejected outright
+    assert policy.drafted < COLD_START_TOKENS  # still cold
+    assert policy.plan([5], [ENGINE_DRAFT_LEN])[0] == 0  # waits
+
+
 def test_a_plain_step_now_and_then():
     """Every PLAIN_EVERY-th step runs without drafting, so the plain step's cost is measured while drafting wins."""
     policy = calibrated(memory_bound)

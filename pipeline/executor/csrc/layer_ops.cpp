@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "lanes.h"
 
@@ -19,6 +20,14 @@ using specpipe::Lanes;
 // Rounds to T (a no-op for float).
 template <typename T>
 inline float r(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+// Calls f with a null pointer of t's element type (float32 or bfloat16), from which f takes its type.
+template <typename F>
+void by_dtype(const at::Tensor& t, const char* op, const F& f) {
+  if (t.scalar_type() == at::kFloat) return f(static_cast<float*>(nullptr));
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16, got ", t.scalar_type());
+  f(static_cast<at::BFloat16*>(nullptr));
+}
 
 template <typename T>
 void rms_rows(const T* x, const T* w, T* out, int64_t tokens, int64_t dim, float eps) {
@@ -46,13 +55,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
               weight.scalar_type(), "rms_norm: x [T, d] and a weight [d] of its dtype");
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
   at::Tensor out = at::empty_like(xc);
-  if (x.scalar_type() == at::kFloat) {
-    rms_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), out.data_ptr<float>(), x.size(0), x.size(1), eps);
-  } else {
-    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 or bfloat16, got ", x.scalar_type());
-    rms_rows(xc.data_ptr<at::BFloat16>(), wc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), x.size(0),
-             x.size(1), eps);
-  }
+  by_dtype(x, "rms_norm", [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rms_rows(xc.data_ptr<T>(), wc.data_ptr<T>(), out.data_ptr<T>(), x.size(0), x.size(1), eps);
+  });
   return out;
 }
 
@@ -88,14 +94,10 @@ void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t
   TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && cos.scalar_type() == sin.scalar_type(),
               "rope_: qkv, cos and sin of one dtype");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
-  if (qkv.scalar_type() == at::kFloat) {
-    rope_rows(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), qkv.size(0), qkv.stride(0), heads,
-              dim);
-  } else {
-    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_: float32 or bfloat16, got ", qkv.scalar_type());
-    rope_rows(qkv.data_ptr<at::BFloat16>(), c.data_ptr<at::BFloat16>(), s.data_ptr<at::BFloat16>(), qkv.size(0),
-              qkv.stride(0), heads, dim);
-  }
+  by_dtype(qkv, "rope_", [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rope_rows(qkv.data_ptr<T>(), c.data_ptr<T>(), s.data_ptr<T>(), qkv.size(0), qkv.stride(0), heads, dim);
+  });
 }
 
 template <typename T>
@@ -117,12 +119,10 @@ at::Tensor silu_mul(const at::Tensor& h) {
   TORCH_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "silu_mul: h [T, 2 I]");
   const at::Tensor hc = h.contiguous();
   at::Tensor out = at::empty({h.size(0), h.size(1) / 2}, h.options());
-  if (h.scalar_type() == at::kFloat) {
-    silu_rows(hc.data_ptr<float>(), out.data_ptr<float>(), h.size(0), h.size(1) / 2);
-  } else {
-    TORCH_CHECK(h.scalar_type() == at::kBFloat16, "silu_mul: float32 or bfloat16, got ", h.scalar_type());
-    silu_rows(hc.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>(), h.size(0), h.size(1) / 2);
-  }
+  by_dtype(h, "silu_mul", [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    silu_rows(hc.data_ptr<T>(), out.data_ptr<T>(), h.size(0), h.size(1) / 2);
+  });
   return out;
 }
 

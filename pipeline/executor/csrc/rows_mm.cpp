@@ -130,7 +130,7 @@ at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional
   if (!done) {
     at::Tensor xf = x.to(at::kFloat).contiguous();
     const float* xp = xf.data_ptr<float>();
-    auto widened = [&](const auto* wp) {  // the weights' type picks load16
+    auto widened = [&](const auto* wp) {  // the weights' type picks Lanes::load
       split_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
         rows<decltype(m)::value>(xp, wp, o, K, N, begin, end);
       });
