@@ -11,8 +11,11 @@ faster. Prompt chunks (wider than any measured width) and CUDA keep SDPA. All co
 differently (the grouped one as Hugging Face's eager attention does: products in the model's dtype, softmax in
 float32).
 
-Each kernel reads copies of a row's keys and values gathered from the paged pools through its block table, and is
-timed with the gather, over keys scattered in pools as the engine's.
+Each torch kernel reads copies of a row's keys and values gathered from the paged pools through its block table,
+and is timed with the gather, over keys scattered in pools as the engine's. ``paged``, the row kernels' C++
+attention (csrc/paged_attention.cpp), reads them where they lie: on the AMD EPYC (Zen 3, 2 threads) one query
+against 400 keys took 46 us in bfloat16 and 89 in float32, against 150-210 for the torch kernels with their gather.
+It is offered to models large enough to build that library for (matmul_choice.MIN_BYTES) on CPUs where it loads.
 """
 
 from __future__ import annotations
@@ -24,10 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .matmul_choice import MARGIN, remembered
+from ..quantize import weight_bytes
+from . import row_kernels
+from .matmul_choice import MARGIN, MIN_BYTES, remembered
 
-KINDS = ("sdpa", "grouped", "sdpa_f32")
-FLOAT32_MASK = {"sdpa_f32"}  # kernels that attend in float32 take their mask in float32 (made once per step)
+KINDS = ("sdpa", "grouped", "sdpa_f32", "paged")
+# kernels that attend in float32 take their mask in float32 (made once per step)
+FLOAT32_MASK = {"sdpa_f32", "paged"}
 WIDTHS = (1, 2, 4, 8, 16)
 LENGTHS = (128, 512)  # keys a row attends over, timed at each (a chat's context is mostly in this range)
 BLOCK_SIZE = 16  # of the pools the kernels are timed over
@@ -62,7 +68,18 @@ def sdpa_f32(query: Tensor, key: Tensor, value: Tensor, mask: Tensor, scale: flo
     return out.to(query.dtype)
 
 
-KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}
+KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}  # and "paged": see attend_rows
+
+
+def kinds_for(dtype: torch.dtype, device: torch.device, dim: int, library: bool) -> tuple[str, ...]:
+    """The kernels worth timing: sdpa_f32 only for 16-bit models (in float32 it is SDPA itself); ``paged`` (the
+    row kernels' C++ attention, which reads the block pools in place) where ``library`` (a model large enough to
+    build the row kernels' library for) and it loads on this CPU, for a float32 or bfloat16 model whose head size
+    is a multiple of 16."""
+    paged = (library and device.type == "cpu" and dtype in row_kernels.DTYPES and dim % 16 == 0
+             and row_kernels.unavailable() is None)
+    return tuple(kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)
+                 and (kind != "paged" or paged))
 
 
 def attend_rows(kind: str, query: Tensor, key: Tensor, value: Tensor, blocks: Tensor, mask: Tensor,
@@ -71,6 +88,8 @@ def attend_rows(kind: str, query: Tensor, key: Tensor, value: Tensor, blocks: Te
     block_size, kv_heads, d], row i reading the blocks ``blocks[i]`` ([n, B]); mask [n, 1, W, B * block_size]
     additive, in mask_dtype(kind). -> [n, W, heads, d]."""
     n, width, heads, dim = query.shape
+    if kind == "paged":  # reads the pools where they lie: no gather
+        return row_kernels.paged_attention(query, key, value, blocks, mask, dim ** -0.5 if scale is None else scale)
     kv_heads, length = key.shape[2], blocks.shape[1] * key.shape[1]
     # index_select copies whole blocks row by row; advanced indexing (key[blocks]) goes through the generic
     # index kernel, 4x slower for the same bytes on a CPU, and it runs twice per layer per step.
@@ -117,12 +136,12 @@ def choose(times_us: dict[tuple[str, int], float]) -> dict[int, str]:
 
 @torch.inference_mode()
 def measure(dtype: torch.dtype, device: torch.device, heads: int, kv_heads: int, dim: int,
-            widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS
-            ) -> AttentionPlan:
-    """Time every kernel on one row at each width, its keys in scattered blocks of pools as the engine's and
-    gathered as a step gathers them, summed over ``lengths`` keys, interleaved over ``rounds``, keeping each one's
-    best (sdpa_f32 not in float32, where it is SDPA itself)."""
-    kinds = [kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)]
+            widths: tuple[int, ...] = WIDTHS, lengths: tuple[int, ...] = LENGTHS, rounds: int = ROUNDS,
+            kinds: tuple[str, ...] | None = None) -> AttentionPlan:
+    """Time ``kinds`` (default: kinds_for without the library) on one row at each width, its keys in scattered
+    blocks of pools as the engine's (gathered as a step gathers them, but for ``paged``), summed over ``lengths``
+    keys, interleaved over ``rounds``, keeping each one's best."""
+    kinds = kinds_for(dtype, device, dim, library=False) if kinds is None else kinds
     cases = {}
     for width in widths:
         for length in lengths:
@@ -163,18 +182,22 @@ def for_model(model, device: torch.device | str) -> AttentionPlan:
     dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
     if not (heads and kv_heads and dim):
         return AttentionPlan()
-    return measured_once(next(model.parameters()).dtype, device, heads, kv_heads, dim)
+    # Like the matrix products, only a model from matmul_choice.MIN_BYTES up has the C++ kernels built for it
+    large = weight_bytes(model) >= MIN_BYTES
+    return measured_once(next(model.parameters()).dtype, device, heads, kv_heads, dim, library=large)
 
 
-def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv_heads: int, dim: int
-                  ) -> AttentionPlan:
+def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv_heads: int, dim: int,
+                  library: bool = False) -> AttentionPlan:
     """The plan for this head shape: SDPA throughout on CUDA (its fused kernels are the fast path there); on a CPU
-    measure(...), once per machine: kept for this process and on disk beside the matrix-kernel plans (delete the
-    file to measure again)."""
+    measure(...) over kinds_for(..., library), once per machine: kept for this process and on disk beside the
+    matrix-kernel plans (delete the file to measure again)."""
     device = torch.device(device)
     if device.type == "cuda" or heads % kv_heads:
         return AttentionPlan()
-    # a new kernel set, or a new way of timing them, measures anew
-    key = ("attention", KINDS, "gathered", str(dtype), str(device), heads, kv_heads, dim)
-    return remembered(_PLANS, key, AttentionPlan, "times_us", KINDS,
-                      lambda: measure(dtype, device, heads, kv_heads, dim))
+    kinds = kinds_for(dtype, device, dim, library)
+    build = row_kernels.build() if "paged" in kinds else None
+    # another kernel set, another build of the C++ one, or a new way of timing them measures anew
+    key = ("attention", kinds, build, "gathered", str(dtype), str(device), heads, kv_heads, dim)
+    return remembered(_PLANS, key, AttentionPlan, "times_us", kinds,
+                      lambda: measure(dtype, device, heads, kv_heads, dim, kinds=kinds))

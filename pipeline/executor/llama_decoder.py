@@ -212,9 +212,10 @@ class LlamaDecoder(nn.Module):
 
     def _measure_kernels(self) -> KernelPlan:
         weights = self._matrices()
-        if any(not isinstance(w, Tensor) for w in weights) or \
-                matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
-            return KernelPlan()  # int8 layers have one kernel; a small model's step is not its products
+        if matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
+            return KernelPlan()  # a small model's step is not its products
+        if len({isinstance(w, Tensor) for w in weights}) > 1:
+            return KernelPlan()  # one plan times every matrix of a forward with the same kinds
         return matmul_choice.measured_once(weights)
 
     def _fused(self) -> bool:

@@ -5,7 +5,8 @@ The same weights cost very different times per width depending on the call: on o
 float32 ``F.linear`` wins. Which wins depends on the CPU, the dtype and the width (oneDNN, MKL and the generic
 kernels each pick their own paths), so nothing is hard-coded: the decoder times the forms over its own weights at
 the widths a decode or verify step has, and uses another one than ``F.linear`` where it is clearly faster: ``W @ x.T``,
-or, on a CPU with AVX-512 where it builds, ``rows`` (row_kernels.py: each weight row read once for every input row).
+or, on a CPU with AVX2 or AVX-512 where it builds, ``rows`` (row_kernels.py: each weight row read once for every
+input row; it also takes int8 weight-only layers, against their own forward).
 Prompt chunks (wider than any measured width) use ``F.linear``. The forms compute the same product; they may round
 differently.
 """
@@ -42,6 +43,8 @@ def product(kind: str, x: Tensor, weight, bias: Tensor | None) -> Tensor:
     (an int8 layer, which holds its bias) is called. ``rows`` is asked only for weights it takes (see kinds_for); a
     forward wider than its widest runs F.linear."""
     if not isinstance(weight, Tensor):
+        if kind == "rows" and x.shape[0] <= row_kernels.MAX_ROWS:
+            return row_kernels.rows_mm_int8(x, weight)
         return weight(x)
     if kind == "linear":
         return F.linear(x, weight, bias)
@@ -68,16 +71,30 @@ class KernelPlan:
                 "ms": {f"{k}@{w}": round(ms, 2) for (k, w), ms in self.times_ms.items()}}
 
 
-def weight_bytes(weights: list[Tensor]) -> int:
-    return sum(w.numel() * w.element_size() for w in weights)
+def weight_bytes(weights: list) -> int:
+    return sum(t.numel() * t.element_size() for w in weights for t in _tensors(w))
 
 
-def kinds_for(weights: list[Tensor]) -> tuple[str, ...]:
+def _tensors(weight) -> list[Tensor]:
+    """A weight matrix's tensors: itself, or an int8 layer's matrix and scales."""
+    return [weight] if isinstance(weight, Tensor) else [weight.qweight, weight.scale]
+
+
+def _inputs(weight) -> tuple[int, torch.dtype]:
+    """(the input width, the input dtype) of a weight [out, in] or an int8 layer (inputs of its scales' dtype)."""
+    if isinstance(weight, Tensor):
+        return weight.shape[1], weight.dtype
+    return weight.in_features, weight.scale.dtype
+
+
+def kinds_for(weights: list) -> tuple[str, ...]:
     """The kinds that can multiply every one of ``weights``: ``rows`` where its kernel loads here and takes them
-    all (one plan covers every matrix of a forward)."""
-    if all(row_kernels.supports(w.dtype, w) for w in weights) and row_kernels.unavailable() is None:
-        return KINDS
-    return tuple(kind for kind in KINDS if kind != "rows")
+    all (one plan covers every matrix of a forward). An int8 layer has its own forward (``linear``) and ``rows``."""
+    float_kinds = all(isinstance(w, Tensor) for w in weights)
+    kinds = KINDS if float_kinds else ("linear", "rows")
+    if all(row_kernels.supports(_inputs(w)[1], w) for w in weights) and row_kernels.unavailable() is None:
+        return kinds
+    return tuple(kind for kind in kinds if kind != "rows")
 
 
 @torch.inference_mode()
@@ -87,8 +104,9 @@ def measure(weights: list[Tensor], widths: tuple[int, ...] = WIDTHS, rounds: int
     interleaved over ``rounds``, keeping each one's best; returns the plan that picks the fastest kind per width
     (``rows`` only up to its widest forward)."""
     kinds = kinds_for(weights) if kinds is None else kinds
-    inputs = {(w, n): torch.randn(w, n, dtype=weights[0].dtype, device=weights[0].device)
-              for w in widths for n in {m.shape[1] for m in weights}}
+    dtype, device = _inputs(weights[0])[1], _tensors(weights[0])[0].device
+    inputs = {(w, n): torch.randn(w, n, dtype=dtype, device=device)
+              for w in widths for n in {_inputs(m)[0] for m in weights}}
     best: dict[tuple[str, int], float] = {}
     for kind in kinds:  # warm-up: first calls allocate and pick their kernels
         _pass(kind, weights, inputs, widths[0])
@@ -118,7 +136,8 @@ def measured_once(weights: list[Tensor]) -> KernelPlan:
     timing again. Delete the file to measure again (say, after measuring on a busy machine)."""
     kinds = kinds_for(weights)
     kernel = row_kernels.build() if "rows" in kinds else None  # another build of the kernel is timed anew
-    key = (weights[0].dtype, str(weights[0].device), tuple(tuple(w.shape) for w in weights), kinds, kernel)
+    key = (*_inputs(weights[0])[1:], str(_tensors(weights[0])[0].device),
+           tuple((*_inputs(w), *_tensors(w)[0].shape) for w in weights), kinds, kernel)
     return remembered(_PLANS, key, KernelPlan, "times_ms", kinds, lambda: measure(weights, kinds=kinds))
 
 
@@ -178,8 +197,8 @@ def _save(path: Path, data: dict) -> None:
         pass  # a read-only home: the plan still holds for this process
 
 
-def _pass(kind: str, weights: list[Tensor], inputs: dict, width: int) -> float:
+def _pass(kind: str, weights: list, inputs: dict, width: int) -> float:
     start = time.perf_counter()
     for weight in weights:
-        product(kind, inputs[width, weight.shape[1]], weight, None)
+        product(kind, inputs[width, _inputs(weight)[0]], weight, None)
     return time.perf_counter() - start

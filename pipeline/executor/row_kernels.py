@@ -1,15 +1,20 @@
 """C++ operators for the few rows of a decode or verify forward on x86-64 CPUs with AVX-512 or AVX2, built on first
-use: a matrix product, and the small per-token operations of a Llama-family layer.
+use: a matrix product, attention over the paged KV pools, and the small per-token operations of a Llama-family
+layer.
 
 A decode step multiplies one row (a verify K + 1 rows) by every weight matrix: the time is the weights' bytes
-streamed from memory. aten's products are not written for that shape on every CPU: on one AMD EPYC, MKL's float32
-matrix-vector product streamed 16 GB/s at any thread count and oneDNN's bfloat16 one about 21 GB/s, where reading
-each weight row once with AVX-512 and multiplying it into every input row (``csrc/rows_mm.cpp``) streamed 29-40.
-Each output is one thread's float32 dot product, added up in the same order whatever the number of rows, so a
-token's result does not depend on its neighbours in the forward (tested).
+streamed from memory (float32, bfloat16, or int8 with a scale per row: quantize.py's weight-only layers). aten's
+products are not written for that shape on every CPU: on one AMD EPYC, MKL's float32 matrix-vector product streamed
+16 GB/s at any thread count and oneDNN's bfloat16 one about 21 GB/s, where reading each weight row once and
+multiplying it into every input row (``csrc/rows_mm.cpp``) streamed 29-40 with AVX-512 on one thread; on a Zen 3
+EPYC with AVX2, 25 GB/s on two threads against 17 on one. Each output is one thread's float32 dot product, added
+up in the same order whatever the number of rows, so a token's result does not depend on its neighbours in the
+forward (tested).
 
 The product is one of the kinds matmul_choice times per width: it is used only where it measured faster on the
-machine. The per-token operations (``csrc/layer_ops.cpp``: RMSNorm, RoPE in place, SiLU(gate) * up) replace about
+machine; so is the library's attention over the paged KV pools (``csrc/paged_attention.cpp``, attention_choice's
+``paged``). The library's loops run on torch's OpenMP threads (built with -fopenmp: ``threads`` says how many a loop
+got). The per-token operations (``csrc/layer_ops.cpp``: RMSNorm, RoPE in place, SiLU(gate) * up) replace about
 twenty small torch operators a layer in the lean decoder's eager forwards. A machine without AVX2 and FMA, a C++
 compiler or ninja (torch's extension builder runs both) runs aten's operators as before (``unavailable`` says why).
 The build targets one instruction set: AVX-512 where the CPU has it (16 lanes), else AVX2 (8 lanes). It takes under
@@ -30,9 +35,10 @@ from torch import Tensor
 
 from ..artifacts import cache_root
 from ..dtypes import cpu_flags
+from ..quantize import Int8WeightOnlyLinear
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp")  # one library
+SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp", CSRC / "paged_attention.cpp")  # one library
 HEADERS = (CSRC / "lanes.h",)
 MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -44,8 +50,10 @@ INSTRUCTION_SETS = (
      ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
     ("avx2", frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]),
 )
-# No multiply and add fused unless written so: layer_ops.cpp rounds as the torch expressions it replaces
-COMMON_FLAGS = ["-O3", "-ffp-contract=off"]
+# No multiply and add fused unless written so: layer_ops.cpp rounds as the torch expressions it replaces. OpenMP:
+# at::parallel_for is inline in ATen's headers, so without it the library's loops run on one thread (the process
+# has loaded torch's libgomp already, and the library links that same one by its soname).
+COMMON_FLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 # Where the CPU also has AVX512_BF16, bfloat16 rows multiply in pairs (one instruction for two products)
 BF16_FLAGS = ["-mavx512bf16", "-DSPECPIPE_DPBF16"]
 # A build takes well under a minute: a lock file this old was left by a process that died while building.
@@ -70,7 +78,9 @@ def state() -> str:
     (no product was measured yet: models under matmul_choice.MIN_BYTES never ask for it)."""
     if "reason" not in _state:
         return "not tried"
-    return _state["reason"] or f"loaded ({_state.get('isa', '?')})"
+    if _state["reason"]:
+        return _state["reason"]
+    return f"loaded ({_state.get('isa', '?')}, {threads()} of {torch.get_num_threads()} threads)"
 
 
 def build() -> str | None:
@@ -79,16 +89,29 @@ def build() -> str | None:
     return _state.get("build") if unavailable() is None else None
 
 
-def supports(x_dtype: torch.dtype, weight: Tensor) -> bool:
-    """Whether rows_mm takes this weight (and inputs of ``x_dtype``); the caller checks the row count."""
-    return (isinstance(weight, Tensor) and weight.dtype in DTYPES and x_dtype == weight.dtype
-            and weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0
+def supports(x_dtype: torch.dtype, weight: Tensor | Int8WeightOnlyLinear) -> bool:
+    """Whether rows_mm takes this weight, or rows_mm_int8 this int8 layer (and inputs of ``x_dtype``); the caller
+    checks the row count."""
+    if isinstance(weight, Int8WeightOnlyLinear):
+        return x_dtype in DTYPES and _takes(weight.qweight)
+    return isinstance(weight, Tensor) and weight.dtype in DTYPES and x_dtype == weight.dtype and _takes(weight)
+
+
+def _takes(weight: Tensor) -> bool:
+    return (weight.device.type == "cpu" and weight.dim() == 2 and weight.shape[1] % 16 == 0
             and weight.is_contiguous())
 
 
 def rows_mm(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """x [M, K] (1 <= M <= MAX_ROWS) times weight [N, K] (+ bias) -> [M, N] in x's dtype."""
     return torch.ops.specpipe_rows.rows_mm(x, weight, bias)
+
+
+def rows_mm_int8(x: Tensor, layer: Int8WeightOnlyLinear) -> Tensor:
+    """The int8 layer's product for x [M, K] (1 <= M <= MAX_ROWS, float32 or bfloat16) -> [M, N] in x's dtype:
+    each output the float32 sum of x times the int8 row, times the row's scale, plus the bias, rounded once (the
+    layer's own forward rounds the product before adding its bias)."""
+    return torch.ops.specpipe_rows.rows_mm_int8(x, layer.qweight, layer.scale, layer.bias)
 
 
 def _load() -> str | None:
@@ -112,12 +135,16 @@ def _load() -> str | None:
         _clear_stale_lock(folder / "lock")
         # The builder locks the folder while it builds: a second process waits, then loads the same library.
         cpp_extension.load(name=f"specpipe_rows_mm_{digest}", sources=[str(path) for path in SOURCES],
-                           build_directory=str(folder), extra_cflags=flags, extra_include_paths=[str(CSRC)],
+                           build_directory=str(folder), extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                           extra_include_paths=[str(CSRC)],
                            is_python_module=False, verbose=False)
     except Exception as error:  # noqa: BLE001 - no compiler, no ninja, a failed build: aten's products still run
         first = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return f"its C++ build failed ({type(error).__name__}: {first[:200]})"
     torch.library.register_fake("specpipe_rows::rows_mm")(_shape)
+    torch.library.register_fake("specpipe_rows::rows_mm_int8")(lambda x, q, scale, bias: _shape(x, q, bias))
+    torch.library.register_fake("specpipe_rows::paged_attention")(
+        lambda query, key, value, blocks, mask, scale: torch.empty_like(query))
     torch.library.register_fake("specpipe_rows::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("specpipe_rows::silu_mul")(lambda h: h.new_empty(h.shape[0], h.shape[1] // 2))
     _state["build"] = digest
@@ -176,6 +203,19 @@ def rope_(qkv: Tensor, cos: Tensor, sin: Tensor, heads: int) -> None:
 def silu_mul(h: Tensor) -> Tensor:
     """silu(gate) * up of h [T, 2 I] = [gate | up] -> [T, I], rounded as the torch expression."""
     return torch.ops.specpipe_rows.silu_mul(h)
+
+
+def paged_attention(query: Tensor, key: Tensor, value: Tensor, blocks: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Attention of query [n, W, heads, d] over one layer's block pools key/value [blocks, block_size, kv_heads, d]
+    (contiguous), row i reading the blocks ``blocks[i]`` ([n, B] long) where they lie; mask [n, 1, W, B *
+    block_size] float32, additive (its lowest value: never). -> [n, W, heads, d], float32 inside, in query's
+    dtype; a query that may attend to nothing gets zeros."""
+    return torch.ops.specpipe_rows.paged_attention(query, key, value, blocks, mask, scale)
+
+
+def threads(rows: int = 1024) -> int:
+    """How many threads the library's loop over ``rows`` weight rows runs on (at most torch.get_num_threads())."""
+    return torch.ops.specpipe_rows.threads(rows)
 
 
 def _shape(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

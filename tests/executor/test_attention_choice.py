@@ -8,10 +8,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.executor import attention_choice
+from pipeline.executor import attention_choice, row_kernels
 from pipeline.executor.attention_choice import KINDS, AttentionPlan, attend_rows, choose, mask_dtype
 
 BLOCK = 4
+LIBRARY = row_kernels.unavailable()
+
+
+def _runs(kind):
+    if kind == "paged" and LIBRARY is not None:
+        pytest.skip(f"the row kernels' library: {LIBRARY}")
 
 
 def _inputs(dtype=torch.float32, n=2, heads=6, kv_heads=2, width=3, length=20, dim=16):
@@ -55,6 +61,7 @@ def _paged(kind, query, key, value, mask, scale):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_computes_grouped_query_attention(kind):
+    _runs(kind)
     query, key, value, mask = _inputs()
     out = _paged(kind, query, key, value, mask, 0.3)
     assert out.shape == query.shape and out.dtype == query.dtype
@@ -66,6 +73,7 @@ def test_every_kernel_computes_grouped_query_attention(kind):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_keeps_16_bit_inputs_close_to_float32(kind):
+    _runs(kind)
     query, key, value, mask = _inputs(torch.bfloat16)
     out = _paged(kind, query, key, value, mask, 0.3)
     assert out.dtype == torch.bfloat16
@@ -89,7 +97,7 @@ def test_the_plan_keeps_sdpa_unless_another_kernel_is_clearly_faster():
 def test_a_real_measurement_times_every_kernel_at_every_width():
     plan = attention_choice.measure(torch.bfloat16, torch.device("cpu"), 4, 2, 16, widths=(1, 3), lengths=(32,),
                                     rounds=1)
-    assert set(plan.times_us) == {(kind, w) for kind in KINDS for w in (1, 3)}
+    assert set(plan.times_us) == {(kind, w) for kind in KINDS if kind != "paged" for w in (1, 3)}
     assert set(plan.by_width) == {1, 3} and set(plan.by_width.values()) <= set(KINDS)
     float32 = attention_choice.measure(torch.float32, torch.device("cpu"), 4, 2, 16, widths=(1,), lengths=(32,),
                                        rounds=1)
@@ -100,7 +108,7 @@ def test_a_head_shape_is_measured_once_and_kept_on_disk(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
     calls = []
 
-    def measured(dtype, device, heads, kv_heads, dim):
+    def measured(dtype, device, heads, kv_heads, dim, kinds):
         calls.append((dtype, heads, kv_heads, dim))
         return AttentionPlan({1: "grouped", 4: "sdpa"}, {("sdpa", 1): 2.0, ("grouped", 1): 1.0})
 
@@ -126,9 +134,53 @@ def test_a_models_heads_come_from_its_config(monkeypatch):
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     seen = []
-    monkeypatch.setattr(attention_choice, "measured_once", lambda *args: seen.append(args[2:]) or AttentionPlan())
+    monkeypatch.setattr(attention_choice, "measured_once",
+                        lambda *args, library: seen.append((*args[2:], library)) or AttentionPlan())
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=6, num_key_value_heads=2))
     attention_choice.for_model(llama, "cpu")
     attention_choice.for_model(GPT2LMHeadModel(GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4)), "cpu")
-    assert seen == [(6, 2, 8), (4, 4, 8)]
+    assert seen == [(6, 2, 8, False), (4, 4, 8, False)]  # small models: no C++ kernel built for them
+    monkeypatch.setattr(attention_choice, "MIN_BYTES", 1)
+    attention_choice.for_model(llama, "cpu")
+    assert seen[-1] == (6, 2, 8, True)
+
+
+def test_the_c_plus_plus_kernel_is_timed_only_where_it_can_run(monkeypatch):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None})
+    assert attention_choice.kinds_for(torch.bfloat16, cpu, 64, library=True) == KINDS
+    assert attention_choice.kinds_for(torch.float32, cpu, 64, library=True) == ("sdpa", "grouped", "paged")
+    assert "paged" not in attention_choice.kinds_for(torch.bfloat16, cpu, 64, library=False)
+    assert "paged" not in attention_choice.kinds_for(torch.bfloat16, cpu, 40, library=True)  # head size
+    assert "paged" not in attention_choice.kinds_for(torch.float16, cpu, 64, library=True)
+    assert "paged" not in attention_choice.kinds_for(torch.bfloat16, torch.device("cuda"), 64, library=True)
+    monkeypatch.setattr(row_kernels, "_state", {"reason": "needs AVX2"})
+    assert "paged" not in attention_choice.kinds_for(torch.bfloat16, cpu, 64, library=True)
+
+
+@pytest.mark.skipif(LIBRARY is not None, reason=f"the row kernels' library: {LIBRARY}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_plus_plus_kernel_zeroes_what_attends_to_nothing_and_ignores_the_thread_count(dtype):
+    query, key, value, mask = _inputs(dtype, length=600, width=5)  # several chunks of keys
+    never = torch.finfo(torch.float32).min  # the engine makes this kernel's masks in float32
+    mask = mask.float().masked_fill(mask <= torch.finfo(dtype).min, never)
+    mask[1, :, 3] = never  # a padding slot: every key masked
+    together = _paged("paged", query, key, value, mask, 0.3)
+    assert torch.equal(together[1, :, 3], torch.zeros_like(together[1, :, 3]))
+    exact = _reference(query, key, value, mask.masked_fill(mask <= never, -1e30), 0.3)
+    live = torch.ones(2, 5, dtype=torch.bool)
+    live[1, 3] = False
+    tolerance = 1e-5 if dtype == torch.float32 else 0.03
+    assert (together.double() - exact).transpose(1, 2)[live].abs().max() < tolerance
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        split = _paged("paged", query, key, value, mask, 0.3)
+        torch.set_num_threads(1)
+        alone = _paged("paged", query, key, value, mask, 0.3)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(split, together) and torch.equal(alone, together)
+    alone_row = _paged("paged", query[:1], key[:1], value[:1], mask[:1], 0.3)
+    assert torch.equal(alone_row, together[:1])  # a row's result does not depend on its neighbours

@@ -12,6 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 from pipeline.decoder_support import LEAN, MODULES, runner_for
 from pipeline.executor import huge_pages, matmul_choice, row_kernels
 from pipeline.executor.llama_decoder import LlamaDecoder
+from pipeline.executor.attention_choice import AttentionPlan
 from pipeline.executor.matmul_choice import KernelPlan
 from pipeline.executor.model_runner import BatchModelRunner
 from pipeline.quantize import quantize_model
@@ -169,6 +170,35 @@ def test_int8_layers_run_fused_on_the_lean_decoder_with_the_modules_numbers():
     again, _ = _packed(BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=False),
                        ids, [4, 5])
     assert torch.equal(again, expected)  # the modules now read views of the fused int8 rows: the same numbers
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2-qkv-bias"])
+@pytest.mark.parametrize("lean", [True, False])
+def test_the_c_plus_plus_attention_gives_the_modules_logits(variant, lean):
+    if row_kernels.unavailable():
+        pytest.skip(f"the row kernels' library: {row_kernels.unavailable()}")
+    model = VARIANTS[variant]()
+    gen = torch.Generator().manual_seed(3)
+    ids, other = (torch.randint(0, 120, (n,), generator=gen).tolist() for n in (41, 13))
+    expected, _ = _hf(model, ids)
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=lean)
+    runner.cache.attention = AttentionPlan({16: "paged"})  # every decode and verify width; prompt chunks SDPA
+    logits, _ = _packed(runner, ids, other)
+    assert (logits - expected).abs().max() < 1e-4
+
+
+def test_the_rows_kernel_runs_an_int8_model_within_bfloat16s_rounding_of_its_modules():
+    if row_kernels.unavailable():
+        pytest.skip(f"the rows kernel: {row_kernels.unavailable()}")
+    model = _int8_llama()
+    ids = list(range(3, 30))
+    expected, _ = _packed(BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64, lean=False),
+                          ids, [4, 5])
+    runner = BatchModelRunner(model, "cpu", max_tokens=200, block_size=8, max_blocks=64)
+    runner._decoder = LlamaDecoder(model, 200, KernelPlan(dict.fromkeys(range(1, 64), "rows")))
+    logits, _ = _packed(runner, ids, [4, 5])
+    assert not torch.equal(logits, expected)  # the kernel ran: it sums in another order than aten's
+    assert (logits.float() - expected.float()).abs().max() < 0.02 * float(expected.abs().max())
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen2-qkv-bias"])

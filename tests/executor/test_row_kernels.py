@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.executor import matmul_choice, row_kernels
+from pipeline.quantize import Int8WeightOnlyLinear
 
 REASON = row_kernels.unavailable()
 needs_kernel = pytest.mark.skipif(REASON is not None, reason=f"the rows kernel cannot run here: {REASON}")
@@ -47,6 +48,69 @@ def test_bfloat16_is_the_float32_product_of_the_bfloat16_numbers_rounded_once(ro
     assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
 
 
+def _int8_layer(n=37, k=48, dtype=torch.float32, seed=1):
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(k, n, dtype=dtype)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen))
+        linear.bias.copy_(torch.randn(n, generator=gen))
+    return Int8WeightOnlyLinear.from_linear(linear)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 16])
+@pytest.mark.parametrize("k", [16, 48, 80])  # whole groups of the kernel's two accumulators, and a partial one
+def test_int8_is_the_layers_product_with_its_row_scales_and_bias(dtype, rows, k):
+    layer = _int8_layer(k=k, dtype=dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = row_kernels.rows_mm_int8(x, layer)
+    exact = x.double() @ layer.qweight.double().T * layer.scale.double() + layer.bias.double()
+    assert got.shape == (rows, 37) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.allclose(got.double(), exact, atol=1e-5, rtol=1e-5)
+    else:  # float32 sums, rounded once to bfloat16
+        assert ((got.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-4).all()
+    assert torch.allclose(got.float(), layer(x).float(), atol=0.05, rtol=0.02)  # the layer's forward rounds twice
+
+
+@needs_kernel
+def test_an_int8_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count():
+    layer = _int8_layer(n=300, k=80, dtype=torch.bfloat16)
+    x = torch.randn(16, 80, generator=torch.Generator().manual_seed(3)).bfloat16()
+    together = row_kernels.rows_mm_int8(x, layer)
+    for i in range(16):
+        assert torch.equal(row_kernels.rows_mm_int8(x[i:i + 1], layer), together[i:i + 1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = row_kernels.rows_mm_int8(x, layer)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, together)
+
+
+def test_the_plan_times_an_int8_layers_forward_against_the_rows_kernel(monkeypatch):
+    layers = [_int8_layer(n=8, k=32), _int8_layer(n=32, k=16)]
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None})
+    assert matmul_choice.kinds_for(layers) == ("linear", "rows")
+    assert row_kernels.supports(torch.bfloat16, layers[0]) and not row_kernels.supports(torch.bfloat16, layers[0].scale)
+    assert "rows" not in matmul_choice.kinds_for(layers + [_int8_layer(n=8, k=24)])
+    monkeypatch.setattr(row_kernels, "_state", {"reason": "needs AVX2"})
+    assert matmul_choice.kinds_for(layers) == ("linear",)
+    assert matmul_choice.weight_bytes(layers) == 8 * 32 + 32 * 16 + 4 * (8 + 32)
+
+
+@needs_kernel
+def test_the_rows_kind_multiplies_an_int8_layer_in_the_kernel_and_linear_calls_it():
+    layer = _int8_layer(k=48, dtype=torch.bfloat16)
+    x = torch.randn(3, 48).bfloat16()
+    assert torch.equal(matmul_choice.product("rows", x, layer, None), row_kernels.rows_mm_int8(x, layer))
+    assert torch.equal(matmul_choice.product("linear", x, layer, None), layer(x))
+    wide = torch.randn(row_kernels.MAX_ROWS + 1, 48).bfloat16()
+    assert torch.equal(matmul_choice.product("rows", wide, layer, None), layer(wide))
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype,k", [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 80)])
 def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count(dtype, k):
@@ -59,9 +123,22 @@ def test_a_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count(dty
     try:
         torch.set_num_threads(1)
         alone = row_kernels.rows_mm(x, weight, bias)
+        torch.set_num_threads(2)
+        split = row_kernels.rows_mm(x, weight, bias)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, together)
+    assert torch.equal(alone, together) and torch.equal(split, together)
+
+
+@needs_kernel
+def test_the_library_splits_its_rows_between_torchs_threads():
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            assert row_kernels.threads() == count  # one, built without OpenMP
+    finally:
+        torch.set_num_threads(threads)
 
 
 @needs_kernel
@@ -97,7 +174,7 @@ def test_where_it_cannot_load_it_says_why(monkeypatch):
 
 def test_the_build_targets_the_widest_instruction_set_the_cpu_has():
     avx2, avx512 = frozenset({"avx2", "fma"}), frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"})
-    assert row_kernels.instruction_set(avx2) == ("avx2", ["-O3", "-ffp-contract=off", "-mavx2", "-mfma"])
+    assert row_kernels.instruction_set(avx2) == ("avx2", ["-O3", "-ffp-contract=off", "-fopenmp", "-mavx2", "-mfma"])
     name, flags = row_kernels.instruction_set(avx2 | avx512)
     assert name == "avx512" and "-mavx512f" in flags and "-mavx2" not in flags and "-DSPECPIPE_DPBF16" not in flags
     name, flags = row_kernels.instruction_set(avx2 | avx512 | {"avx512_bf16"})
@@ -147,10 +224,11 @@ def test_the_plan_takes_rows_where_clearly_fastest_and_never_past_its_widest(mon
 def test_state_says_what_was_tried_without_trying(monkeypatch):
     monkeypatch.setattr(row_kernels, "_state", {})
     assert row_kernels.state() == "not tried" and row_kernels._state == {}
+    threads = torch.get_num_threads()
     monkeypatch.setattr(row_kernels, "_state", {"reason": None})
-    assert row_kernels.state() == "loaded (?)"
+    assert row_kernels.state() == f"loaded (?, {threads} of {threads} threads)"
     monkeypatch.setattr(row_kernels, "_state", {"reason": None, "isa": "avx2"})
-    assert row_kernels.state() == "loaded (avx2)"
+    assert row_kernels.state() == f"loaded (avx2, {threads} of {threads} threads)"
     monkeypatch.setattr(row_kernels, "_state", {"reason": "turned off by SPECPIPE_NO_ROW_KERNEL"})
     assert row_kernels.state() == "turned off by SPECPIPE_NO_ROW_KERNEL"
 
