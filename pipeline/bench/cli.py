@@ -194,7 +194,7 @@ def _finish(args, config, executor, source, plan, options, measured, run: dict, 
     if llamacpp is not None:  # after ours, so the two never compete for the cores
         import torch
 
-        from .llamacpp import run_llamacpp
+        from .llamacpp import comparison_line, run_llamacpp
 
         llamacpp_records, llamacpp_info, llamacpp_summary = run_llamacpp(
             llamacpp, torch.get_num_threads(), plan.max_new_tokens, plan.repeats, options.prompt_sets)
@@ -223,6 +223,8 @@ def _finish(args, config, executor, source, plan, options, measured, run: dict, 
     print("\n".join(runner_lines(results["runners"])))
     if llamacpp_summary is not None:
         print(llamacpp_summary)
+        if (line := comparison_line(records)) is not None:
+            print(line)
     print(f"bench took {duration(timing['total_s'])} (timed part {duration(timing['timed_s'])}, estimated "
           f"{duration(timing['estimated']['seconds'])})")
     print(f"wrote {path} and {plot}")

@@ -168,7 +168,7 @@ def llamacpp_records(results: list[LlamaBenchResult], sets: list[str]) -> list[d
         for result in results:
             records.append({
                 "method": "llamacpp", "k": 0, "set": name, "prompt_set": name,
-                "tokens_per_s": round(result.tokens_per_s, 2),
+                "tokens_per_s": round(result.tokens_per_s, 2), "decode_tokens_per_s": round(result.tokens_per_s, 2),
                 "speedup_vs_target": None, "acceptance_rate": None, "alpha": None, "mean_accepted_len": None,
                 "mean_draft_len": None, "acceptance_by_position": [], "cost_ratio_c": None, "verify_cost_ratio": None,
                 "bound_speedup": None, "bound_speedup_refined": None, "predicted_speedup": None,
@@ -188,6 +188,18 @@ def summary_line(results: list[LlamaBenchResult]) -> str:
     first = results[0]
     return (f"llama.cpp (build {first.build_commit}, {first.n_threads} threads): "
             + ", ".join(f"{r.precision} {r.tokens_per_s:.1f} tok/s" for r in results))
+
+
+def comparison_line(records: list[dict]) -> str | None:
+    """Our target-only decoding against llama.cpp's, per prompt set: decode tokens/s (after the first token, as
+    llama-bench's decode test has no prompt) over each GGUF's. None without both."""
+    ours = [r for r in records if r["method"] == "target" and r.get("decode_tokens_per_s")]
+    theirs = {r["precision"]: r["tokens_per_s"] for r in records if r["method"] == "llamacpp" and r["tokens_per_s"]}
+    if not ours or not theirs:
+        return None
+    return "target-only decode tok/s (first token excluded) over llama.cpp's: " + "; ".join(
+        f"{precision} " + ", ".join(f"{r['set']} {r['decode_tokens_per_s'] / rate:.2f}" for r in ours)
+        for precision, rate in theirs.items())
 
 
 def run_llamacpp(plan: LlamaCppPlan, threads: int, n_gen: int, repetitions: int,

@@ -6,6 +6,9 @@ Record fields (results.json):
   k                    draft tokens per step (0 = no draft; "auto" for dynamic K, "policy" for adaptive)
   set, prompt_set      the prompt set: a built-in one or a `set` label of a --prompts file (the same value)
   tokens_per_s         median over repeats of (tokens emitted / wall seconds) over all prompts
+  decode_tokens_per_s  the same after each prompt's first token: (tokens - 1) / (wall - ttft) summed over the
+                       prompts, median over repeats; no prefill in it, what llama-bench's decode test measures
+                       (a llamacpp record: its tokens_per_s)
   tokens_per_s_min/max, tokens_per_s_by_repeat   the same rate per repeat: its spread, and each value
   speedup_vs_target    tokens_per_s / tokens_per_s of target-only decoding on our runtime (same prompts)
   speedup_by_repeat, speedup_min/max, spread   each repeat's rate over target-only's in the same repeat, their
@@ -62,6 +65,8 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
     acceptance comes from the first repeat and only the timings are pooled. ``c``: the method's own cost ratio
     where the run's cost terms do not describe it (EAGLE-3 heads)."""
     throughputs = [sum(s.tokens for s in rep) / max(sum(s.seconds for s in rep), 1e-12) for rep in repeats]
+    decoding = [sum(s.tokens - 1 for s in rep) / max(sum(s.seconds - s.ttft_s for s in rep), 1e-12)
+                for rep in repeats]
     itl = [x for rep in repeats for s in rep for x in s.itl_s]
     ttft = [s.ttft_s for rep in repeats for s in rep]
     steps = [step for s in repeats[0] for step in s.steps]
@@ -90,6 +95,7 @@ def make_record(method: str, k: int | str, prompt_set: str, repeats: Sequence[Se
         "tokens_per_s": _round(statistics.median(throughputs), 2),
         "tokens_per_s_min": _round(min(throughputs), 2), "tokens_per_s_max": _round(max(throughputs), 2),
         "tokens_per_s_by_repeat": [_round(x, 2) for x in throughputs],
+        "decode_tokens_per_s": _round(statistics.median(decoding), 2),
         "speedup_vs_target": None,  # filled by finish_records once target-only is known
         "acceptance_rate": _round(accepted / drafted if drafted else 0.0),
         "alpha": _round(alpha),
@@ -131,7 +137,8 @@ def finish_records(records: list[dict]) -> list[dict]:
 
 # "weights" tells the rows of different weight types apart (ours: the target's; llama.cpp's: one per GGUF).
 _COLUMNS = [("prompt_set", "set", "{}"), ("method", "method", "{}"), ("k", "K", "{}"), ("precision", "weights", "{}"),
-            ("tokens_per_s", "tok/s", "{:.1f}"), ("weight_gbs", "weight GB/s", "{:.1f}"),
+            ("tokens_per_s", "tok/s", "{:.1f}"), ("decode_tokens_per_s", "decode tok/s", "{:.1f}"),
+            ("weight_gbs", "weight GB/s", "{:.1f}"),
             ("speedup_vs_target", "speedup", "{:.2f}x"),
             ("speedup_min", "min-max", lambda r: f"{r['speedup_min']:.2f}-{r['speedup_max']:.2f}"),
             ("noisy", "noisy", lambda r: "noisy" if r["noisy"] else ""),

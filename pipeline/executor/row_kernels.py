@@ -39,7 +39,7 @@ from ..quantize import Int8WeightOnlyLinear
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp", CSRC / "paged_attention.cpp")  # one library
-HEADERS = (CSRC / "lanes.h",)
+HEADERS = (CSRC / "lanes.h", CSRC / "vector_math.h")
 MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
 DTYPES = (torch.float32, torch.bfloat16)
 # The kernel's instruction sets, the first the CPU has wins: (name, the CPU flags it needs, compiler flags). The

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.bench.report import summary_lines
-from pipeline.bench.llamacpp import (check_binary, check_gguf, default_ggufs, llamacpp_records, parse_llama_bench,
-                                     plan_from_args, precision_of, run_llama_bench, run_llamacpp, summary_line)
+from pipeline.bench.llamacpp import (check_binary, check_gguf, comparison_line, default_ggufs, llamacpp_records,
+                                     parse_llama_bench, plan_from_args, precision_of, run_llama_bench, run_llamacpp,
+                                     summary_line)
 from pipeline.bench.plot import plot_results
 from pipeline.bench.records import format_table
 from pipeline.cli import main
@@ -93,6 +94,18 @@ def test_plot_draws_llamacpp_against_our_target_only(tmp_path, monkeypatch):
     lines = [line for line in figures[0].axes[0].get_lines() if "llama.cpp" in line.get_label()]
     assert len(lines) == 1 and "q8_0" in lines[0].get_label()
     assert lines[0].get_ydata()[0] == pytest.approx(ours[0]["tokens_per_s"] / 20.0)
+
+
+def test_the_comparison_is_our_target_only_decode_rate_over_each_gguf():
+    result = _recorded()
+    theirs = llamacpp_records([result], ["code", "json"])
+    assert theirs[0]["decode_tokens_per_s"] == theirs[0]["tokens_per_s"]
+    ours = [{"method": "target", "set": s, "prompt_set": s, "tokens_per_s": 9.0, "decode_tokens_per_s": rate}
+            for s, rate in (("code", result.tokens_per_s / 2), ("json", result.tokens_per_s / 4))]
+    spec = {"method": "ngram", "set": "code", "prompt_set": "code", "decode_tokens_per_s": 1e6}
+    assert comparison_line([*ours, spec, *theirs]) == \
+        "target-only decode tok/s (first token excluded) over llama.cpp's: q8_0 code 0.50, json 0.25"
+    assert comparison_line(ours) is None and comparison_line(theirs) is None
 
 
 def test_summary_line_names_build_threads_and_each_type():

@@ -15,17 +15,11 @@
 #include <vector>
 
 #include "lanes.h"
+#include "vector_math.h"
 
 namespace {
 
 using specpipe::Lanes;
-
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t dim) {
-  typename Lanes::V acc = Lanes::zero();
-  for (int64_t t = 0; t < dim; t += Lanes::kWidth) acc = Lanes::fma(Lanes::load(q + t), Lanes::load(k + t), acc);
-  return Lanes::sum(acc);
-}
 
 // Keys per task: a row's keys are split into chunks of this many (a fixed count, not one per thread, so the
 // partial sums and their merge are the same whatever the thread count).
@@ -61,27 +55,32 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
   const int64_t end = std::min(s.length, (chunk + 1) * kChunk);
   const T* k[kTile];
   const T* v[kTile];
-  float scores[kTile];
+  alignas(32) float scores[kTile];
+  alignas(32) float weights[kTile];
   for (int64_t j0 = chunk * kChunk; j0 < end; j0 += kTile) {
     const int64_t tile = std::min(kTile, end - j0);
-    for (int64_t u = 0; u < tile; ++u) {
-      const int64_t j = j0 + u, position = table_row[j / s.block_size] * s.block_size + j % s.block_size;
+    for (int64_t u = 0; u < kTile; ++u) {  // a short last tile repeats its first key (its scores are "never")
+      const int64_t j = j0 + (u < tile ? u : 0), position = table_row[j / s.block_size] * s.block_size +
+                                                            j % s.block_size;
       k[u] = keys + (position * s.kv_heads + kv) * s.dim;
       v[u] = values + (position * s.kv_heads + kv) * s.dim;
     }
     for (int64_t i = 0; i < queries; ++i) {
       // The tile's scores: independent dot products side by side (one would wait on its own multiply-adds)
       typename Lanes::V dots[kTile];
+#pragma GCC unroll 8
       for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::zero();
       const float* qi = q.data() + i * s.dim;
       for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
         const typename Lanes::V qv = Lanes::load(qi + t);
-        for (int64_t u = 0; u < tile; ++u) dots[u] = Lanes::fma(qv, Lanes::load(k[u] + t), dots[u]);
+#pragma GCC unroll 8
+        for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::fma(qv, Lanes::load(k[u] + t), dots[u]);
       }
+      specpipe::sums8(dots, scores);
       float best = kNone;
-      for (int64_t u = 0; u < tile; ++u) {
-        const float bias = m[i][j0 + u];
-        scores[u] = bias <= kNever ? kNone : Lanes::sum(dots[u]) * s.scale + bias;  // "never": its exp would be 0
+      for (int64_t u = 0; u < kTile; ++u) {
+        const float bias = u < tile ? m[i][j0 + u] : kNever;
+        scores[u] = bias <= kNever ? kNone : scores[u] * s.scale + bias;  // "never": its weight is 0
         best = std::max(best, scores[u]);
       }
       if (best == kNone) continue;
@@ -89,7 +88,7 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
       float& top = acc[s.dim];
       float& total = acc[s.dim + 1];
       if (best > top) {  // a new maximum: what was summed so far is rescaled to it
-        const float shrink = top == kNone ? 0.0f : std::exp(top - best);
+        const float shrink = top == kNone ? 0.0f : specpipe::exp1(top - best);
         if (total > 0.0f) {
           const typename Lanes::V c = Lanes::set1(shrink);
           for (int64_t t = 0; t < s.dim; t += Lanes::kWidth)
@@ -98,13 +97,19 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
         total *= shrink;
         top = best;
       }
-      for (int64_t u = 0; u < tile; ++u) {
-        if (scores[u] == kNone) continue;
-        const float p = std::exp(scores[u] - top);
-        total += p;
-        const typename Lanes::V weight = Lanes::set1(p);
-        for (int64_t t = 0; t < s.dim; t += Lanes::kWidth)
-          Lanes::store(acc + t, Lanes::fma(weight, Lanes::load(v[u] + t), Lanes::load(acc + t)));
+      specpipe::exp8(scores, top, weights);  // exp(score - top), 0 for "never"
+      typename Lanes::V weight[kTile];
+#pragma GCC unroll 8
+      for (int64_t u = 0; u < kTile; ++u) {
+        total += weights[u];
+        weight[u] = Lanes::set1(weights[u]);
+      }
+      // Each lane of the sum adds the tile's keys in order; a short tile's extra keys weigh 0 (adding exactly 0)
+      for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
+        typename Lanes::V sum = Lanes::load(acc + t);
+#pragma GCC unroll 8
+        for (int64_t u = 0; u < kTile; ++u) sum = Lanes::fma(weight[u], Lanes::load(v[u] + t), sum);
+        Lanes::store(acc + t, sum);
       }
     }
   }
@@ -125,7 +130,7 @@ void merge(const Shape& s, const float* parts, int64_t queries, T* out) {
   for (int64_t c = 0; c < s.chunks; ++c) {
     const float* p = parts + c * queries * stride;
     if (p[s.dim] == kNone) continue;
-    const float weight = std::exp(p[s.dim] - top);
+    const float weight = specpipe::exp1(p[s.dim] - top);
     total += p[s.dim + 1] * weight;
     for (int64_t t = 0; t < s.dim; ++t) acc[t] += p[t] * weight;
   }
