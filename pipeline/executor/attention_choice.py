@@ -34,7 +34,7 @@ from .matmul_choice import MARGIN, MIN_BYTES, remembered
 KINDS = ("sdpa", "grouped", "sdpa_f32", "paged")
 # kernels that attend in float32 take their mask in float32 (made once per step)
 FLOAT32_MASK = {"sdpa_f32", "paged"}
-WIDTHS = (1, 2, 4, 8, 16)
+WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16)  # each verify width of K = 1..5 on its own: kernels cross over there
 LENGTHS = (128, 512)  # keys a row attends over, timed at each (a chat's context is mostly in this range)
 BLOCK_SIZE = 16  # of the pools the kernels are timed over
 ROUNDS = 5
@@ -198,6 +198,6 @@ def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv
     kinds = kinds_for(dtype, device, dim, library)
     build = row_kernels.build() if "paged" in kinds else None
     # another kernel set, another build of the C++ one, or a new way of timing them measures anew
-    key = ("attention", kinds, build, "gathered", str(dtype), str(device), heads, kv_heads, dim)
+    key = ("attention", kinds, build, "gathered", WIDTHS, str(dtype), str(device), heads, kv_heads, dim)
     return remembered(_PLANS, key, AttentionPlan, "times_us", kinds,
                       lambda: measure(dtype, device, heads, kv_heads, dim, kinds=kinds))
