@@ -14,7 +14,7 @@ float32).
 Each torch kernel reads copies of a row's keys and values gathered from the paged pools through its block table,
 and is timed with the gather, over keys scattered in pools as the engine's. ``paged``, the row kernels' C++
 attention (csrc/paged_attention.cpp), reads them where they lie: on the AMD EPYC (Zen 3, 2 threads) one query
-against 400 keys took 46 us in bfloat16 and 89 in float32, against 150-210 for the torch kernels with their gather.
+against 400 keys took 32-35 us in float32 and bfloat16, against 134-366 for the torch kernels with their gather.
 It is offered to models large enough to build that library for (matmul_choice.MIN_BYTES) on CPUs where it loads.
 """
 

@@ -136,7 +136,7 @@ def measured_once(weights: list[Tensor]) -> KernelPlan:
     timing again. Delete the file to measure again (say, after measuring on a busy machine)."""
     kinds = kinds_for(weights)
     kernel = row_kernels.build() if "rows" in kinds else None  # another build of the kernel is timed anew
-    key = (*_inputs(weights[0])[1:], str(_tensors(weights[0])[0].device),
+    key = (_inputs(weights[0])[1], str(_tensors(weights[0])[0].device),
            tuple((*_inputs(w), *_tensors(w)[0].shape) for w in weights), kinds, kernel)
     return remembered(_PLANS, key, KernelPlan, "times_ms", kinds, lambda: measure(weights, kinds=kinds))
 
