@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..artifacts import cache_root
+from ..dtypes import cpu_flags
 from . import row_kernels
 
 KINDS = ("linear", "w_xt", "rows")
@@ -156,10 +157,11 @@ def remembered(plans: dict, key: tuple, plan_type, times_field: str, kinds: tupl
 
 
 def plan_file(key: tuple) -> Path:
-    """Where the plan for ``key`` is kept: one file per CPU model, thread count, torch version and weight shapes
-    under cache_root()/kernel-plans (a plan measured on another CPU or thread count says nothing here)."""
-    machine = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "key": repr(key)}
+    """Where the plan for ``key`` is kept: one file per CPU model and instruction-set flags, thread count, torch
+    version and weight shapes under cache_root()/kernel-plans (a plan measured on another CPU or thread count says
+    nothing here; two CPU kinds can share a model name, as "AMD EPYC" does with and without AVX-512)."""
+    machine = {"cpu": cpu_model(), "flags": sorted(cpu_flags()), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "key": repr(key)}
     digest = hashlib.sha256(json.dumps(machine, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "kernel-plans" / f"{digest}.json"
 

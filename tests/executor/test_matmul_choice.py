@@ -62,7 +62,7 @@ def test_matrices_of_the_same_shapes_are_timed_once_per_process(monkeypatch, tmp
     assert len(calls) == 2 * timed  # another dtype is timed on its own
 
 
-def test_a_plan_is_kept_on_disk_for_the_next_start_per_thread_count(monkeypatch, tmp_path):
+def test_a_plan_is_kept_on_disk_for_the_next_start_per_thread_count_and_cpu(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
     costs = {("linear", w): 2.0 for w in matmul_choice.WIDTHS} | {("w_xt", w): 1.0 for w in matmul_choice.WIDTHS}
     calls = []
@@ -93,3 +93,9 @@ def test_a_plan_is_kept_on_disk_for_the_next_start_per_thread_count(monkeypatch,
     finally:
         torch.set_num_threads(threads)
     assert calls and len(list((tmp_path / "kernel-plans").glob("*.json"))) == 2
+    calls.clear()
+    # a CPU of the same model name with other instruction sets (one EPYC with AVX-512, one without): its own plan
+    monkeypatch.setattr(matmul_choice, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    monkeypatch.setattr(matmul_choice, "_PLANS", {})
+    matmul_choice.measured_once(weights)
+    assert calls and len(list((tmp_path / "kernel-plans").glob("*.json"))) == 3
