@@ -109,6 +109,9 @@ def test_the_rows_kind_multiplies_an_int8_layer_in_the_kernel_and_linear_calls_i
     assert torch.equal(matmul_choice.product("linear", x, layer, None), layer(x))
     wide = torch.randn(row_kernels.MAX_ROWS + 1, 48).bfloat16()
     assert torch.equal(matmul_choice.product("rows", wide, layer, None), layer(wide))
+    # a forward that reads no logits hands the LM head no rows: aten's product, not the kernel's refusal
+    assert matmul_choice.product("rows", x[:0], layer, None).shape == (0, 37)
+    assert matmul_choice.product("rows", x[:0], layer.weight, None).shape == (0, 37)
 
 
 @needs_kernel
@@ -204,7 +207,7 @@ def test_the_plan_offers_rows_only_where_it_loads_and_takes_every_matrix(monkeyp
     assert "rows" in matmul_choice.kinds_for(bf16)
     assert "rows" not in matmul_choice.kinds_for(bf16 + [torch.zeros(8, 24, dtype=torch.bfloat16)])
     monkeypatch.setattr(row_kernels, "_state", {"reason": "needs AVX-512"})
-    assert matmul_choice.kinds_for(bf16) == ("linear", "w_xt")
+    assert matmul_choice.kinds_for(bf16) == ("linear", "w_xt", "widened")
 
 
 def test_the_plan_takes_rows_where_clearly_fastest_and_never_past_its_widest(monkeypatch):
@@ -216,7 +219,7 @@ def test_the_plan_takes_rows_where_clearly_fastest_and_never_past_its_widest(mon
 
     monkeypatch.setattr(matmul_choice, "_pass", cost)
     plan = matmul_choice.measure([torch.zeros(8, 32)], widths=(1, 2, 4, 32), rounds=1,
-                                 kinds=matmul_choice.KINDS)
+                                 kinds=("linear", "w_xt", "rows"))
     assert plan.by_width == {1: "rows", 2: "rows", 4: "w_xt", 32: "w_xt"}
     assert ("rows", 32) not in timed and ("rows", 32) not in plan.times_ms
 

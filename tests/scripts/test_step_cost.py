@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from pipeline.executor import attention_choice
 from tests.conftest import REPO
 
 
@@ -35,7 +36,7 @@ def test_the_table_has_both_runners_at_every_width(tiny_pair, tmp_path):
     twins = json.loads(out.read_text())
     assert [row["runner"] for row in twins["rows"]] == ["hf-modules", "lean", "lean-sdpa", "lean-torch-ops"]
     assert "per-token operations: torch" in int8.stdout  # a tiny model: the C++ operators are not built for it
-    assert set(twins["attention"]["by_width"]) == {"1", "2", "4", "8", "16"}
+    assert set(twins["attention"]["by_width"]) == {str(w) for w in attention_choice.WIDTHS}
     bad = subprocess.run([sys.executable, "scripts/step_cost.py", str(tiny_pair / "target"), "--widths", "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "positive integers" in bad.stderr
