@@ -46,8 +46,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 # build targets them, not the build machine (a cache folder may move between CPUs of one kind, and the flags are
 # part of the folder's name).
 INSTRUCTION_SETS = (
-    ("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
-     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]),
+    # -mavx512f does not imply -mfma, and the kernels' 8-lane code (vector_math.h) multiplies-adds with AVX2 + FMA
+    ("avx512", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}),
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]),
     ("avx2", frozenset({"avx2", "fma"}), ["-mavx2", "-mfma"]),
 )
 # No multiply and add fused unless written so: layer_ops.cpp rounds as the torch expressions it replaces. OpenMP:

@@ -186,6 +186,34 @@ def test_the_build_targets_the_widest_instruction_set_the_cpu_has():
     assert "fma missing" in row_kernels.instruction_set(frozenset({"avx2"}))
 
 
+@pytest.mark.slow  # three C++ compiles, about 12 s each at -O0
+def test_the_sources_compile_for_the_instruction_set_this_cpu_does_not_build():
+    """The library loads only this CPU's build, so a source that compiles for AVX2 but not for AVX-512 (an
+    intrinsic whose flag the other set lacks) would fail only on the other kind of machine: compile it here."""
+    import shutil
+    import subprocess
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    compiler = shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    here = row_kernels.instruction_set(row_kernels.cpu_flags())
+    avx512 = frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"})
+    other = row_kernels.instruction_set(avx512 if isinstance(here, str) or here[0] == "avx2" else
+                                        frozenset({"avx2", "fma"}))
+    includes = [f"-I{row_kernels.CSRC}", f"-isystem{sysconfig.get_paths()['include']}",
+                *(f"-isystem{path}" for path in include_paths())]
+    failed = []
+    for source in row_kernels.SOURCES:  # -O0 last: the flags' -O3 would triple the time and check nothing more
+        done = subprocess.run([compiler, "-c", "-std=c++20", "-fPIC", *other[1], "-O0", *includes, str(source),
+                               "-o", "/dev/null"], capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            failed.append(f"{source.name} for {other[0]}: {done.stderr.strip().splitlines()[-1:]}")
+    assert not failed, failed
+
+
 def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
     from torch.utils import cpp_extension
 
@@ -194,7 +222,8 @@ def test_a_failed_build_is_a_reason_not_an_error(monkeypatch, tmp_path):
 
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
     monkeypatch.delenv(row_kernels.OFF_SWITCH, raising=False)
-    monkeypatch.setattr(row_kernels, "cpu_flags", lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}))
+    monkeypatch.setattr(row_kernels, "cpu_flags",
+                        lambda: frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"}))
     monkeypatch.setattr(row_kernels.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     reason = row_kernels._load()
