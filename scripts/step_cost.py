@@ -11,9 +11,9 @@ with SDPA at every width; with --linear-twins the eager lean runner is timed aga
 place of the products measured per width (matmul_choice); with --torch-ops-twins it is timed again with RMSNorm,
 RoPE and SiLU * up as torch operators in place of the row kernels' C++ operators (row_kernels). The runners hold
 the same model (the lean one's fused matrices are the weights the modules read) and the same --context tokens of
-KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best of --rounds rounds, the runners and widths interleaved in
-each (the machine is shared). Prints the CPU model, the lean decoder's measured product and attention kernel per
-width, and a table: ms per forward and its ratio to a 1-token forward.
+KV; each forward of W tokens is rolled back, so every width is timed at the same length. Best of --rounds rounds,
+the runners and widths interleaved in each (the machine is shared). Prints the CPU model, the lean decoder's
+measured product and attention kernel per width, and a table: ms per forward and its ratio to a 1-token forward.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         quantize_model(model, "int8_weight_only")
     runners = open_runners(model, args.context, args.compile, max(args.widths), args.sdpa_twins,
                            args.linear_twins, args.torch_ops_twins)
-    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}" + (" int8 weights" if args.int8 else ""))
+    print(f"CPU: {cpu_model()}, {torch.get_num_threads()} threads, {args.dtype}"
+          + (" int8 weights" if args.int8 else ""))
     lean = runners["lean"]
     default = "the int8 kernel" if args.int8 else "F.linear"
     print(f"lean decoder: {lean.runner}" + (f" ({lean.why_modules})" if lean.why_modules else

@@ -144,18 +144,21 @@ class _Layer(nn.Module):
         _constant(self, f"{name}_bias", None if bias is None else bias.detach())
 
 
+def _matrix_modules(model) -> list[nn.Module]:
+    """The model's weight matrices as modules: its decoder layers' projections and its LM head."""
+    return [m for m in model.model.layers.modules() if type(m) in MATRIX_TYPES] + [model.lm_head]
+
+
 def _matrix_bytes(model) -> int:
-    """Bytes of the model's weight matrices: its decoder layers' projections and its LM head (an int8 layer's
-    buffers included)."""
-    modules = [m for m in model.model.layers.modules() if type(m) in MATRIX_TYPES] + [model.lm_head]
-    return sum(t.numel() * t.element_size() for m in modules
+    """Bytes of the model's weight matrices (an int8 layer's buffers included)."""
+    return sum(t.numel() * t.element_size() for m in _matrix_modules(model)
                for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
 
 
 def _arena(model) -> huge_pages.Arena | None:
     """Huge-page memory for the model's weight matrices (huge_pages.py), for a float model on a CPU where Linux
     gives them; else None (the matrices stay where torch put them)."""
-    linears = [m for m in model.model.layers.modules() if type(m) in MATRIX_TYPES] + [model.lm_head]
+    linears = _matrix_modules(model)
     if any(not isinstance(m, nn.Linear) for m in linears) or model.lm_head.weight.device.type != "cpu" \
             or huge_pages.unavailable() is not None:
         return None
@@ -202,7 +205,7 @@ class LlamaDecoder(nn.Module):
             cos, sin = body.rotary_emb(self.embed[:1], positions)  # [1, P, d] in the model's dtype, as HF makes it
         _constant(self, "cos", cos[0])
         _constant(self, "sin", sin[0])
-        self.kernels = kernels if kernels is not None else self._measure_kernels()
+        self.kernels = kernels if kernels is not None else self._measure_kernels(large)
         # whether eager forwards run the per-token operations as the row kernels' operators
         self.layer_ops = (large and self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
                           and row_kernels.unavailable() is None)
@@ -210,9 +213,9 @@ class LlamaDecoder(nn.Module):
     def _matrices(self) -> list:
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
-    def _measure_kernels(self) -> KernelPlan:
+    def _measure_kernels(self, large: bool) -> KernelPlan:
         weights = self._matrices()
-        if matmul_choice.weight_bytes(weights) < matmul_choice.MIN_BYTES:
+        if not large:
             return KernelPlan()  # a small model's step is not its products
         if len({isinstance(w, Tensor) for w in weights}) > 1:
             return KernelPlan()  # one plan times every matrix of a forward with the same kinds
@@ -244,8 +247,10 @@ class LlamaDecoder(nn.Module):
     def body(self, input_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor | None]:
         """The residual stream after the last layer [T, d], and after each of aux_layers [T, n, d] (or None)."""
         x = self.embed[input_ids]  # [T, d]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [T, 1, d]
         kind, fused = self.kernels.kind(x.shape[0]), self._fused()
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, d]: what the fused RoPE reads
+        if not fused:
+            cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]: broadcast over the heads
         captured = {}
         for index, layer in enumerate(self.layers):
             x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1, fused), cos, sin, kind, fused)
@@ -274,7 +279,7 @@ class LlamaDecoder(nn.Module):
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
         if fused:  # the query and key heads rotated in place, one operator
-            row_kernels.rope_(qkv, cos[:, 0], sin[:, 0], self.heads + self.kv_heads)
+            row_kernels.rope_(qkv, cos, sin, self.heads + self.kv_heads)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
         q, k = q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim)
         if not fused:

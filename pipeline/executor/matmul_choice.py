@@ -46,9 +46,9 @@ MARGIN = 0.9
 
 def product(kind: str, x: Tensor, weight, bias: Tensor | None) -> Tensor:
     """x [T, in] times weight [out, in] (+ bias) -> [T, out], computed as ``kind`` says; a weight that is a module
-    (an int8 layer, which holds its bias) is called, or multiplied in the rows kernel. ``rows`` is asked only for weights it takes (see kinds_for); a
-    forward wider than its widest runs F.linear."""
-    rows = kind == "rows" and 0 < x.shape[0] <= row_kernels.MAX_ROWS  # no rows (no logits read): aten's
+    (an int8 layer, which holds its bias) is called, or multiplied in the rows kernel. ``rows`` is asked only for
+    weights it takes (see kinds_for); a forward wider than its widest, or of no rows, runs aten's product."""
+    rows = kind == "rows" and 0 < x.shape[0] <= row_kernels.MAX_ROWS  # no rows: an LM head whose logits nobody reads
     if not isinstance(weight, Tensor):
         return row_kernels.rows_mm_int8(x, weight) if rows else weight(x)
     if kind == "linear":

@@ -135,6 +135,24 @@ void rows_bf16(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t
 
 #endif
 
+// out [M, N] float32 = x @ w.T for x [M, K] (widened to float32 first) and weights [N, K] that Lanes::load reads
+// as float32 (their type picks the load: float32, bfloat16 or int8).
+template <typename W>
+void widened_rows(const at::Tensor& x, const W* w, float* out, int64_t N) {
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  const int64_t K = x.size(1);
+  split_rows(x.size(0), N, [&](auto m, int64_t begin, int64_t end) {
+    rows<decltype(m)::value>(xp, w, out, K, N, begin, end);
+  });
+}
+
+// The float32 products plus the bias, rounded once to the inputs' dtype.
+at::Tensor finished(at::Tensor& out, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
+  if (bias.has_value()) out.add_(bias->to(at::kFloat));
+  return out.to(dtype);
+}
+
 at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "rows_mm: x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
@@ -142,11 +160,12 @@ at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional
   TORCH_CHECK(w.size(1) % 16 == 0 && w.is_contiguous() && w.device().is_cpu() && x.device().is_cpu(),
               "rows_mm: a contiguous CPU weight whose rows are a multiple of 16 long");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rows_mm: x and w of one dtype");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
   float* o = out.data_ptr<float>();
   bool done = false;
 #ifdef SPECPIPE_DPBF16
+  const int64_t K = x.size(1);
   if (w.scalar_type() == at::kBFloat16 && K % 32 == 0) {
     at::Tensor xc = x.contiguous();
     const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
@@ -158,22 +177,14 @@ at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional
   }
 #endif
   if (!done) {
-    at::Tensor xf = x.to(at::kFloat).contiguous();
-    const float* xp = xf.data_ptr<float>();
-    auto widened = [&](const auto* wp) {  // the weights' type picks Lanes::load
-      split_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
-        rows<decltype(m)::value>(xp, wp, o, K, N, begin, end);
-      });
-    };
     if (w.scalar_type() == at::kFloat) {
-      widened(w.data_ptr<float>());
+      widened_rows(x, w.data_ptr<float>(), o, N);
     } else {
       TORCH_CHECK(w.scalar_type() == at::kBFloat16, "rows_mm: float32 or bfloat16 weights, got ", w.scalar_type());
-      widened(w.data_ptr<at::BFloat16>());
+      widened_rows(x, w.data_ptr<at::BFloat16>(), o, N);
     }
   }
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out.to(x.scalar_type());
+  return finished(out, bias, x.scalar_type());
 }
 
 // out = (x @ q.T) * scale (+ bias) for int8 weights q [N, K] (K a multiple of 16) and scale [N]: the products are
@@ -186,16 +197,10 @@ at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& q, const at::Tens
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "rows_mm_int8: 1 to ", kMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) % 16 == 0 && q.is_contiguous() && q.device().is_cpu() &&
               x.device().is_cpu(), "rows_mm_int8: a contiguous CPU int8 weight whose rows are a multiple of 16 long");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  float* o = out.data_ptr<float>();
-  split_rows(M, N, [&](auto m, int64_t begin, int64_t end) { rows<decltype(m)::value>(xp, qp, o, K, N, begin, end); });
+  at::Tensor out = at::empty({x.size(0), q.size(0)}, x.options().dtype(at::kFloat));
+  widened_rows(x, q.data_ptr<int8_t>(), out.data_ptr<float>(), q.size(0));
   out.mul_(scale.to(at::kFloat));
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out.to(x.scalar_type());
+  return finished(out, bias, x.scalar_type());
 }
 
 // How many threads split_rows's loop runs on for n weight rows: at::parallel_for is inline in ATen's headers, so a
