@@ -17,8 +17,18 @@ from tests.conftest import run_cli
 
 @pytest.fixture()
 def isolated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+    """A cache of its own for the dequantized models, sharing the usual one's built C++ kernels and measured kernel
+    plans (a minute of compiling and timing that these tests are not about)."""
+    from pipeline.artifacts import cache_root
+
+    shared = cache_root()
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    for name in ("extensions", "kernel-plans"):
+        (shared / name).mkdir(mode=0o700, parents=True, exist_ok=True)
+        (cache / name).symlink_to(shared / name)
+    monkeypatch.setenv("SPECPIPE_CACHE", str(cache))
+    return cache
 
 
 def _cached(cache) -> list:

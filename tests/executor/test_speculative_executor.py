@@ -79,18 +79,19 @@ def test_kv_blocks_released_reused_and_bounded(pair, reference, k):
         assert pool.capacity <= pool.max_blocks == 2 * -(-(128 + k + 1) // 4)
 
 
-@pytest.mark.slow  # the compiled decoder's warm-up compiles six graphs (about a minute on 2 cores)
+@pytest.mark.slow  # the compiled decoders' warm-ups compile four graphs (about a minute on 2 cores)
 def test_compiled_executor_matches_eager(pair, reference, tmp_path, monkeypatch):
     target, draft, tok = pair
     monkeypatch.setenv("SPECPIPE_CACHE", str(tmp_path))
-    # one row at a time, K = 3: every verify (4 tokens) fits the buckets the width cap leaves, 1, 2 and 4 (the
-    # batch is the compiled decoder test's)
-    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=3, max_seq_len=128, compile=True, max_batch_size=1,
-                             compile_max_width=4)
+    # one row at a time, K = 1: every verify (2 tokens) fits the buckets the width cap leaves, 1 and 2 (what each
+    # width computes is the compiled decoder test's; here, that the executor runs both models compiled)
+    ex = SpeculativeExecutor(target, draft, tok, max_draft_len=1, max_seq_len=128, compile=True, max_batch_size=1,
+                             compile_max_width=2)
     results = ex.generate(PROMPTS[:2], max_new_tokens=40)
     assert [r.token_ids for r in results] == [reference[p] for p in PROMPTS[:2]]
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # verifies of 2 tokens ran, and kept drafts
     for runner in (ex.target, ex.draft):
-        assert runner.compiled is not None and runner.compiled.sizes == [1, 2, 4]
+        assert runner.compiled is not None and runner.compiled.sizes == [1, 2]
     # only a prompt's prefill chunk is wider than the widest bucket (eager)
     assert ex.target.compiled.eager_calls <= 2
 
