@@ -26,7 +26,7 @@ from ..layer_math import rms_norm, rotate
 from ..quantize import Int8WeightOnlyLinear
 from . import huge_pages, matmul_choice, row_kernels
 from .matmul_choice import KernelPlan, product
-from . import paged_attention  # noqa: F401  (registers torch.ops.specpipe.paged_attention)
+from . import paged_attention  # also registers torch.ops.specpipe.paged_attention
 
 MATRIX_TYPES = {nn.Linear, Int8WeightOnlyLinear}
 
@@ -278,8 +278,12 @@ class LlamaDecoder(nn.Module):
                    fused: bool) -> Tensor:
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
-        if fused:  # the query and key heads rotated in place, one operator
-            row_kernels.rope_(qkv, cos, sin, self.heads + self.kv_heads)
+        if fused:
+            out = paged_attention.rope_write_attend(qkv, cos, sin, index, self.heads, self.kv_heads, self.head_dim,
+                                                   layer.scaling)
+            if out is not None:  # RoPE, the KV write and attention in one C++ call
+                return product(kind, out, layer.o, layer.o_bias)
+            row_kernels.rope_(qkv, cos, sin, self.heads + self.kv_heads)  # the query and key heads, in place
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
         q, k = q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim)
         if not fused:

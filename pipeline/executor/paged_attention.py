@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from . import row_kernels
 from .attention_choice import attend_rows
 
 ATTENTION_NAME = "specpipe_paged"
@@ -91,6 +92,23 @@ def paged_attention_op(query: Tensor, key: Tensor, value: Tensor, layer: int, sc
 @paged_attention_op.register_fake
 def _(query: Tensor, key: Tensor, value: Tensor, layer: int, scaling: float) -> Tensor:
     return torch.empty_like(query)
+
+
+def rope_write_attend(qkv: Tensor, cos: Tensor, sin: Tensor, layer: int, heads: int, kv_heads: int, head_dim: int,
+                      scaling: float) -> Tensor | None:
+    """One layer's attention for the eager lean decoder as one C++ call (row_kernels.rope_write_attend): RoPE over
+    qkv [T, C] (the fused QKV product; cos/sin [T, d]), the KV write and the paged kernel, [T, heads * d]. Only for
+    a forward whose plan is one dense group on the ``paged`` kernel (a decode or verify step whose rows have one
+    width: every step at batch 1); None otherwise, and the caller rotates and runs the operator."""
+    plan, cache = getattr(_active, "plan", None), getattr(_active, "cache", None)
+    if plan is None or cache is None or len(plan.groups) != 1 or qkv.shape[0] != plan.tokens:
+        return None
+    group = plan.groups[0]
+    if not group.dense or group.kernel != "paged":
+        return None
+    keys, values = cache.pools(layer, kv_heads, head_dim, qkv.dtype, qkv.device)
+    return row_kernels.rope_write_attend(qkv, cos, sin, keys, values, cache.write_slots, group.blocks, group.mask,
+                                         heads, scaling)
 
 
 def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,

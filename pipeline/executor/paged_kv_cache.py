@@ -43,8 +43,7 @@ class _PagedLayer:
     def update(self, key_states: Tensor, value_states: Tensor) -> tuple[Tensor, Tensor]:
         """key_states/value_states: [1, kv_heads, T, head_dim], the packed forward's new tokens."""
         owner = self.owner
-        if self.keys is None or self.keys.shape[0] < owner.pool.capacity:
-            self._grow(key_states)
+        self.ready(key_states.shape[1], key_states.shape[3], key_states.dtype, key_states.device)
         slots = owner.write_slots  # [T] flat position of each new token in the pool
         # index_copy_ rather than item assignment: the same write, without indexing's argument parsing (it runs
         # twice per layer per step)
@@ -52,15 +51,21 @@ class _PagedLayer:
         self.values.view(-1, *self.values.shape[2:]).index_copy_(0, slots, value_states[0].transpose(0, 1))
         return self.keys, self.values
 
-    def _grow(self, like: Tensor) -> None:
+    def ready(self, kv_heads: int, dim: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+        """The pools [blocks, block_size, kv_heads, dim], grown to hold every block the pool has handed out."""
+        if self.keys is None or self.keys.shape[0] < self.owner.pool.capacity:
+            self._grow(kv_heads, dim, dtype, device)
+        return self.keys, self.values
+
+    def _grow(self, kv_heads: int, dim: int, dtype: torch.dtype, device) -> None:
         pool = self.owner.pool
         old = 0 if self.keys is None else self.keys.shape[0]
         # Doubling keeps growth copies rare; the pool's limit bounds the memory. Preallocated, the pools never move
         # (what a captured graph needs), at the price of holding the whole limit from the first forward.
         blocks = pool.max_blocks if self.owner.preallocate else min(pool.max_blocks, max(pool.capacity, 2 * old, 8))
-        shape = (blocks, pool.block_size, like.shape[1], like.shape[3])
-        keys = torch.zeros(shape, dtype=like.dtype, device=like.device)
-        values = torch.zeros(shape, dtype=like.dtype, device=like.device)
+        shape = (blocks, pool.block_size, kv_heads, dim)
+        keys = torch.zeros(shape, dtype=dtype, device=device)
+        values = torch.zeros(shape, dtype=dtype, device=device)
         if old:
             keys[:old], values[:old] = self.keys, self.values
         self.keys, self.values = keys, values
@@ -101,9 +106,17 @@ class PagedKVCache(Cache):
     # ---- the Hugging Face Cache surface models use -----------------------------------------------------------
 
     def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        return self._layer(layer_idx).update(key_states, value_states)
+
+    def pools(self, layer_idx: int, kv_heads: int, dim: int, dtype: torch.dtype, device) -> tuple[Tensor, Tensor]:
+        """Layer ``layer_idx``'s key and value pools, ready for this forward's writes, for a kernel that writes
+        them itself at ``write_slots`` (row_kernels.rope_write_attend)."""
+        return self._layer(layer_idx).ready(kv_heads, dim, dtype, device)
+
+    def _layer(self, layer_idx: int) -> _PagedLayer:
         while len(self.layers) <= layer_idx:
             self.layers.append(_PagedLayer(self))
-        return self.layers[layer_idx].update(key_states, value_states)
+        return self.layers[layer_idx]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.lengths.values(), default=0)

@@ -39,7 +39,7 @@ from ..quantize import Int8WeightOnlyLinear
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp", CSRC / "paged_attention.cpp")  # one library
-HEADERS = (CSRC / "lanes.h", CSRC / "vector_math.h")
+HEADERS = (CSRC / "lanes.h", CSRC / "vector_math.h", CSRC / "rope.h")
 MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
 DTYPES = (torch.float32, torch.bfloat16)
 # The kernel's instruction sets, the first the CPU has wins: (name, the CPU flags it needs, compiler flags). The
@@ -146,6 +146,9 @@ def _load() -> str | None:
     torch.library.register_fake("specpipe_rows::rows_mm_int8")(lambda x, q, scale, bias: _shape(x, q, bias))
     torch.library.register_fake("specpipe_rows::paged_attention")(
         lambda query, key, value, blocks, mask, scale: torch.empty_like(query))
+    torch.library.register_fake("specpipe_rows::rope_write_attend")(
+        lambda qkv, cos, sin, key, value, slots, blocks, mask, heads, scale: qkv.new_empty(
+            qkv.shape[0], heads * cos.shape[-1]))
     torch.library.register_fake("specpipe_rows::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("specpipe_rows::silu_mul")(lambda h: h.new_empty(h.shape[0], h.shape[1] // 2))
     _state["build"] = digest
@@ -212,6 +215,15 @@ def paged_attention(query: Tensor, key: Tensor, value: Tensor, blocks: Tensor, m
     block_size] float32, additive (its lowest value: never). -> [n, W, heads, d], float32 inside, in query's
     dtype; a query that may attend to nothing gets zeros."""
     return torch.ops.specpipe_rows.paged_attention(query, key, value, blocks, mask, scale)
+
+
+def rope_write_attend(qkv: Tensor, cos: Tensor, sin: Tensor, key: Tensor, value: Tensor, slots: Tensor,
+                      blocks: Tensor, mask: Tensor, heads: int, scale: float) -> Tensor:
+    """A layer's attention in one call: rope_ over the query and key heads of qkv [n W, C] (the fused QKV product
+    of n rows of W tokens, row after row), each token's key and value heads written into the pools key/value at
+    ``slots`` [n W] (flat positions, block * block_size + offset), then paged_attention of its query heads over
+    blocks/mask. -> [n W, heads * d]."""
+    return torch.ops.specpipe_rows.rope_write_attend(qkv, cos, sin, key, value, slots, blocks, mask, heads, scale)
 
 
 def threads(rows: int = 1024) -> int:

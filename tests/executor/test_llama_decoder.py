@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
     Qwen2ForCausalLM
 
 from pipeline.decoder_support import LEAN, MODULES, runner_for
-from pipeline.executor import huge_pages, matmul_choice, row_kernels
+from pipeline.executor import huge_pages, matmul_choice, paged_attention, row_kernels
 from pipeline.executor.llama_decoder import LlamaDecoder
 from pipeline.executor.attention_choice import AttentionPlan
 from pipeline.executor.matmul_choice import KernelPlan
@@ -263,6 +263,41 @@ def test_the_fused_layer_ops_give_the_torch_paths_logits(monkeypatch, dtype):
     runner.truncate("s", 0)
     runner.forward(["s"], [ids], logits_for=[len(ids)])
     assert calls == []
+
+
+@pytest.mark.skipif(row_kernels.unavailable() is not None, reason="the row kernels' library does not load here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_step_of_one_width_attends_in_one_call_with_the_operators_numbers(monkeypatch, dtype):
+    """With the fused layer ops and the paged kernel, a forward whose rows share one width rotates, writes its KV and
+    attends in one C++ call per layer; rows of different widths take the operator. Both give the same logits and
+    leave the same KV, bit for bit."""
+    model = VARIANTS["qwen2-qkv-bias"]().to(dtype)
+    monkeypatch.setattr(matmul_choice, "MIN_BYTES", 1)
+    steps = [(["a"], [[3, 9, 27, 4, 11, 30, 2]]), (["b"], [[5, 8, 13, 21, 34]]),
+             (["a", "b"], [[7, 1, 4], [2, 6, 3]]),  # one width: one call
+             (["a", "b"], [[9, 9], [1, 2, 5, 7]]),  # two widths: the operator
+             (["b"], [[11]])]
+
+    def run():
+        runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=32)
+        runner.cache.attention = AttentionPlan({16: "paged"})
+        assert runner._decoder.layer_ops
+        runner.open("a", steps[0][1][0])
+        runner.open("b", steps[1][1][0])
+        logits = [runner.forward(seqs, tokens, logits_for=[len(t) for t in tokens]) for seqs, tokens in steps]
+        return logits, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
+
+    with monkeypatch.context() as off:
+        off.setattr(paged_attention, "rope_write_attend", lambda *a: None)
+        expected, expected_kv = run()
+    calls, one_call = [], row_kernels.rope_write_attend
+    monkeypatch.setattr(row_kernels, "rope_write_attend", lambda *a: calls.append(a[0].shape[0]) or one_call(*a))
+    got, kv = run()
+    layers = len(model.model.layers)
+    assert calls == [7] * layers + [5] * layers + [6] * layers + [1] * layers  # not the step of two widths
+    for step, (x, y) in enumerate(zip(got, expected)):
+        assert torch.equal(x, y), f"step {step}"
+    assert all(torch.equal(a, b) for pair, other in zip(kv, expected_kv) for a, b in zip(pair, other))
 
 
 @pytest.mark.skipif(huge_pages.unavailable() is not None, reason="no transparent huge pages here")

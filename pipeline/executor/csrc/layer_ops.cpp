@@ -12,14 +12,12 @@
 #include <type_traits>
 
 #include "lanes.h"
+#include "rope.h"
 
 namespace {
 
 using specpipe::Lanes;
-
-// Rounds to T (a no-op for float).
-template <typename T>
-inline float r(float v) { return static_cast<float>(static_cast<T>(v)); }
+using specpipe::round_to;
 
 // Calls f with a null pointer of t's element type (float32 or bfloat16), from which f takes its type.
 template <typename F>
@@ -44,7 +42,7 @@ void rms_rows(const T* x, const T* w, T* out, int64_t tokens, int64_t dim, float
       for (; i < dim; ++i) squares += static_cast<float>(row[i]) * static_cast<float>(row[i]);
       const float scale = 1.0f / std::sqrt(squares / static_cast<float>(dim) + eps);
       for (int64_t k = 0; k < dim; ++k)
-        out[t * dim + k] = static_cast<T>(static_cast<float>(w[k]) * r<T>(static_cast<float>(row[k]) * scale));
+        out[t * dim + k] = static_cast<T>(static_cast<float>(w[k]) * round_to<T>(static_cast<float>(row[k]) * scale));
     }
   });
 }
@@ -62,41 +60,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return out;
 }
 
-template <typename T>
-void rope_rows(T* qkv, const T* cos, const T* sin, int64_t tokens, int64_t stride, int64_t heads, int64_t dim) {
-  const int64_t half = dim / 2;
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const T* c = cos + t * dim;
-      const T* s = sin + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        T* x = qkv + t * stride + h * dim;
-        for (int64_t i = 0; i < half; ++i) {  // (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), each product rounded
-          const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
-          const float low = r<T>(r<T>(x1 * static_cast<float>(c[i])) + r<T>(-x2 * static_cast<float>(s[i])));
-          const float high =
-              r<T>(r<T>(x2 * static_cast<float>(c[i + half])) + r<T>(x1 * static_cast<float>(s[i + half])));
-          x[i] = static_cast<T>(low);
-          x[i + half] = static_cast<T>(high);
-        }
-      }
-    }
-  });
-}
-
 // qkv [T, C] (rows contiguous), cos/sin [T, d]: rotates the first ``heads`` heads of d columns of every row in place
 // (the query and key heads of a fused QKV output; the value heads after them are left alone).
 void rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
-  const int64_t dim = cos.size(-1);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
-              cos.size(0) == qkv.size(0) && dim % 2 == 0 && heads * dim <= qkv.size(1),
-              "rope_: qkv [T, C] with contiguous rows, cos and sin [T, d], heads * d <= C");
-  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && cos.scalar_type() == sin.scalar_type(),
-              "rope_: qkv, cos and sin of one dtype");
+  specpipe::check_rope(qkv, cos, sin, heads, "rope_");
   const at::Tensor c = cos.contiguous(), s = sin.contiguous();
   by_dtype(qkv, "rope_", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
-    rope_rows(qkv.data_ptr<T>(), c.data_ptr<T>(), s.data_ptr<T>(), qkv.size(0), qkv.stride(0), heads, dim);
+    specpipe::rope_rows(qkv.data_ptr<T>(), c.data_ptr<T>(), s.data_ptr<T>(), qkv.size(0), qkv.stride(0), heads,
+                        cos.size(-1));
   });
 }
 
@@ -108,7 +80,7 @@ void silu_rows(const T* h, T* out, int64_t tokens, int64_t width) {
       const T* up = gate + width;
       for (int64_t i = 0; i < width; ++i) {
         const float g = static_cast<float>(gate[i]);
-        out[t * width + i] = static_cast<T>(r<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(up[i]));
+        out[t * width + i] = static_cast<T>(round_to<T>(g / (1.0f + std::exp(-g))) * static_cast<float>(up[i]));
       }
     }
   });

@@ -12,9 +12,11 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "lanes.h"
+#include "rope.h"
 #include "vector_math.h"
 
 namespace {
@@ -31,6 +33,7 @@ constexpr float kNone = -std::numeric_limits<float>::infinity();
 struct Shape {
   int64_t width, heads, kv_heads, group, dim, block_size, table, length, chunks;
   float scale;
+  int64_t query_stride;  // elements from one token's query heads to the next token's
 };
 
 // One chunk of one row's keys for the group * W queries that read KV head ``kv``: each key and value is read once
@@ -43,7 +46,7 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
   std::vector<const float*> m(queries);
   for (int64_t i = 0; i < queries; ++i) {  // query i: head kv * group + i % group, slot i / group
     const int64_t head = kv * s.group + i % s.group, slot = i / s.group;
-    const T* qp = query + ((row * s.width + slot) * s.heads + head) * s.dim;
+    const T* qp = query + (row * s.width + slot) * s.query_stride + head * s.dim;
     for (int64_t t = 0; t < s.dim; ++t) q[i * s.dim + t] = static_cast<float>(qp[t]);
     m[i] = mask + (row * s.width + slot) * s.length;
     float* p = part + i * stride;
@@ -57,13 +60,27 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
   const T* v[kTile];
   alignas(32) float scores[kTile];
   alignas(32) float weights[kTile];
+  // Where key j of the row lies in the pools (its value lies at the same offset)
+  const auto offset = [&](int64_t j) {
+    return ((table_row[j / s.block_size] * s.block_size + j % s.block_size) * s.kv_heads + kv) * s.dim;
+  };
+  const int64_t lines = (s.dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   for (int64_t j0 = chunk * kChunk; j0 < end; j0 += kTile) {
     const int64_t tile = std::min(kTile, end - j0);
     for (int64_t u = 0; u < kTile; ++u) {  // a short last tile repeats its first key (its scores are "never")
-      const int64_t j = j0 + (u < tile ? u : 0), position = table_row[j / s.block_size] * s.block_size +
-                                                            j % s.block_size;
-      k[u] = keys + (position * s.kv_heads + kv) * s.dim;
-      v[u] = values + (position * s.kv_heads + kv) * s.dim;
+      const int64_t at = offset(j0 + (u < tile ? u : 0));
+      k[u] = keys + at;
+      v[u] = values + at;
+    }
+    // The next tile's keys and values asked of memory now: a step's weights have pushed the pools out of the
+    // caches, and each tile would otherwise wait for its loads before it computes
+    for (int64_t j = j0 + kTile; j < std::min(end, j0 + 2 * kTile); ++j) {
+      const char* key_row = reinterpret_cast<const char*>(keys + offset(j));
+      const char* value_row = reinterpret_cast<const char*>(values + offset(j));
+      for (int64_t line = 0; line < lines; ++line) {
+        _mm_prefetch(key_row + 64 * line, _MM_HINT_T0);
+        _mm_prefetch(value_row + 64 * line, _MM_HINT_T0);
+      }
     }
     for (int64_t i = 0; i < queries; ++i) {
       // The tile's scores: independent dot products side by side (one would wait on its own multiply-adds)
@@ -159,35 +176,89 @@ void attend(const Shape& s, int64_t n, const T* query, const T* keys, const T* v
   });
 }
 
+// The attention's shape from query [n, W, heads, d] (its heads' values may lie ``query_stride`` apart per token),
+// the pools [blocks, block_size, kv_heads, d], the tables [n, B] and the mask [n, 1, W, B * block_size], checked.
+Shape shape_of(int64_t n, int64_t width, int64_t heads, int64_t dim, int64_t query_stride, const at::Tensor& query,
+               const at::Tensor& key, const at::Tensor& value, const at::Tensor& blocks, const at::Tensor& mask,
+               double scale, const char* op) {
+  TORCH_CHECK(key.dim() == 4 && key.sizes() == value.sizes() && blocks.dim() == 2,
+              op, ": pools [blocks, block_size, kv_heads, d] and blocks [n, B]");
+  const int64_t block_size = key.size(1), kv_heads = key.size(2), table = blocks.size(1);
+  TORCH_CHECK(key.size(3) == dim && dim % Lanes::kWidth == 0 && heads % kv_heads == 0 && blocks.size(0) == n,
+              op, ": head sizes a multiple of ", Lanes::kWidth, " and query heads a multiple of KV heads");
+  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
+              op, ": query and pools of one dtype");
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              op, ": float32 or bfloat16, got ", query.scalar_type());
+  TORCH_CHECK(mask.scalar_type() == at::kFloat && mask.numel() == n * width * table * block_size &&
+              mask.is_contiguous(), op, ": a contiguous float32 mask [n, 1, W, B * block_size]");
+  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && blocks.scalar_type() == at::kLong &&
+              blocks.is_contiguous(), op, ": contiguous pools and a contiguous long block table");
+  const int64_t length = table * block_size;
+  return Shape{width, heads, kv_heads, heads / kv_heads, dim, block_size, table, length,
+               std::max<int64_t>(1, (length + kChunk - 1) / kChunk), static_cast<float>(scale), query_stride};
+}
+
+template <typename F>
+void by_dtype(const at::Tensor& t, const F& f) {
+  if (t.scalar_type() == at::kFloat) return f(static_cast<float*>(nullptr));
+  f(static_cast<at::BFloat16*>(nullptr));
+}
+
 // query [n, W, heads, d]; key/value pools [blocks, block_size, kv_heads, d]; blocks [n, B] each row's block
 // table; mask [n, 1, W, B * block_size] float32, additive (its lowest value: never attend). -> [n, W, heads, d].
 at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                            const at::Tensor& blocks, const at::Tensor& mask, double scale) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && key.sizes() == value.sizes() && blocks.dim() == 2,
-              "paged_attention: query [n, W, heads, d], pools [blocks, block_size, kv_heads, d], blocks [n, B]");
-  const int64_t n = query.size(0), width = query.size(1), heads = query.size(2), dim = query.size(3);
-  const int64_t block_size = key.size(1), kv_heads = key.size(2), table = blocks.size(1);
-  TORCH_CHECK(key.size(3) == dim && dim % Lanes::kWidth == 0 && heads % kv_heads == 0 && blocks.size(0) == n,
-              "paged_attention: head sizes a multiple of ", Lanes::kWidth, " and query heads a multiple of KV heads");
-  TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
-              "paged_attention: query and pools of one dtype");
-  TORCH_CHECK(mask.scalar_type() == at::kFloat && mask.numel() == n * width * table * block_size,
-              "paged_attention: a float32 mask [n, 1, W, B * block_size]");
-  TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && blocks.scalar_type() == at::kLong,
-              "paged_attention: contiguous pools and a long block table");
-  const at::Tensor q = query.contiguous(), b = blocks.contiguous(), m = mask.contiguous();
+  TORCH_CHECK(query.dim() == 4, "paged_attention: query [n, W, heads, d]");
+  const at::Tensor q = query.contiguous(), m = mask.contiguous(), b = blocks.contiguous();
+  const int64_t heads = q.size(2), dim = q.size(3);
+  const Shape shape = shape_of(q.size(0), q.size(1), heads, dim, heads * dim, q, key, value, b, m, scale,
+                               "paged_attention");
   at::Tensor out = at::empty_like(q);
-  const int64_t length = table * block_size;
-  const Shape shape{width, heads, kv_heads, heads / kv_heads, dim, block_size, table, length,
-                    std::max<int64_t>(1, (length + kChunk - 1) / kChunk), static_cast<float>(scale)};
-  if (q.scalar_type() == at::kFloat) {
-    attend(shape, n, q.data_ptr<float>(), key.data_ptr<float>(), value.data_ptr<float>(), b.data_ptr<int64_t>(),
-           m.data_ptr<float>(), out.data_ptr<float>());
-  } else {
-    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16, got ", q.scalar_type());
-    attend(shape, n, q.data_ptr<at::BFloat16>(), key.data_ptr<at::BFloat16>(), value.data_ptr<at::BFloat16>(),
-           b.data_ptr<int64_t>(), m.data_ptr<float>(), out.data_ptr<at::BFloat16>());
-  }
+  by_dtype(q, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    attend(shape, q.size(0), q.data_ptr<T>(), key.data_ptr<T>(), value.data_ptr<T>(), b.data_ptr<int64_t>(),
+           m.data_ptr<float>(), out.data_ptr<T>());
+  });
+  return out;
+}
+
+// A layer's attention for the eager lean decoder in one call. qkv [T, C]: the fused QKV product of n rows of W
+// tokens each (T = n W, row after row), its query heads, then its key heads, then its value heads, d columns each
+// (C at least (heads + 2 kv_heads) d). Rotates the query and key heads in place (cos/sin [T, d], as rope_), writes
+// each token's key and value heads into the pools at its slot (slots [T]: block * block_size + offset), then
+// attends as paged_attention over blocks [n, B] and mask [n, 1, W, B * block_size]. -> [T, heads * d].
+at::Tensor rope_write_attend(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor key,
+                             at::Tensor value, const at::Tensor& slots, const at::Tensor& blocks,
+                             const at::Tensor& mask, int64_t heads, double scale) {
+  const int64_t tokens = qkv.size(0), n = blocks.size(0), dim = cos.size(-1), kv_heads = key.size(2);
+  specpipe::check_rope(qkv, cos, sin, heads + kv_heads, "rope_write_attend");
+  TORCH_CHECK(n > 0 && tokens % n == 0 && (heads + 2 * kv_heads) * dim <= qkv.size(1),
+              "rope_write_attend: qkv [n W, C] with C >= (heads + 2 kv_heads) d");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == tokens && slots.scalar_type() == at::kLong,
+              "rope_write_attend: slots [T] long");
+  const Shape shape = shape_of(n, tokens / n, heads, dim, qkv.stride(0), qkv, key, value, blocks, mask, scale,
+                               "rope_write_attend");
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), where = slots.contiguous();
+  const int64_t capacity = key.size(0) * key.size(1), width = kv_heads * dim;
+  const int64_t* slot = where.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "rope_write_attend: slot ", slot[t], " outside the pools");
+  at::Tensor out = at::empty({tokens, heads * dim}, qkv.options());
+  by_dtype(qkv, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    T* rows = qkv.data_ptr<T>();
+    specpipe::rope_rows(rows, c.data_ptr<T>(), s.data_ptr<T>(), tokens, qkv.stride(0), heads + kv_heads, dim);
+    T* keys = key.data_ptr<T>();
+    T* values = value.data_ptr<T>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const T* k = rows + t * qkv.stride(0) + heads * dim;
+      std::copy(k, k + width, keys + slot[t] * width);
+      std::copy(k + width, k + 2 * width, values + slot[t] * width);
+    }
+    attend(shape, n, static_cast<const T*>(rows), static_cast<const T*>(keys), static_cast<const T*>(values),
+           blocks.data_ptr<int64_t>(), mask.data_ptr<float>(), out.data_ptr<T>());
+  });
   return out;
 }
 
@@ -195,5 +266,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
 
 TORCH_LIBRARY_FRAGMENT(specpipe_rows, m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor blocks, Tensor mask, float scale) -> Tensor");
+  m.def("rope_write_attend(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) key, Tensor(c!) value, Tensor slots, "
+        "Tensor blocks, Tensor mask, int heads, float scale) -> Tensor");
 }
-TORCH_LIBRARY_IMPL(specpipe_rows, CPU, m) { m.impl("paged_attention", paged_attention); }
+TORCH_LIBRARY_IMPL(specpipe_rows, CPU, m) {
+  m.impl("paged_attention", paged_attention);
+  m.impl("rope_write_attend", rope_write_attend);
+}
