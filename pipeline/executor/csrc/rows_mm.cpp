@@ -13,7 +13,9 @@
 #include "lanes.h"
 
 #include <atomic>
+#include <optional>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -135,22 +137,68 @@ void rows_bf16(const at::BFloat16* x, const at::BFloat16* w, float* out, int64_t
 
 #endif
 
-// out [M, N] float32 = x @ w.T for x [M, K] (widened to float32 first) and weights [N, K] that Lanes::load reads
-// as float32 (their type picks the load: float32, bfloat16 or int8).
-template <typename W>
-void widened_rows(const at::Tensor& x, const W* w, float* out, int64_t N) {
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
-  const int64_t K = x.size(1);
-  split_rows(x.size(0), N, [&](auto m, int64_t begin, int64_t end) {
-    rows<decltype(m)::value>(xp, w, out, K, N, begin, end);
-  });
+// x [M, K] as float32: its own memory when it is float32 already, else a widened copy in ``copy``.
+const float* as_float(const at::Tensor& x, std::vector<float>& copy) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rows kernels: float32 or bfloat16 inputs, got ", x.scalar_type());
+  const at::BFloat16* p = x.data_ptr<at::BFloat16>();
+  copy.resize(x.numel());
+  for (int64_t i = 0; i < x.numel(); ++i) copy[i] = static_cast<float>(p[i]);
+  return copy.data();
 }
 
-// The float32 products plus the bias, rounded once to the inputs' dtype.
-at::Tensor finished(at::Tensor& out, const std::optional<at::Tensor>& bias, at::ScalarType dtype) {
-  if (bias.has_value()) out.add_(bias->to(at::kFloat));
-  return out.to(dtype);
+// A float32 copy of an optional per-output vector (a scale or a bias) when it is not float32 contiguous already.
+at::Tensor floats(const std::optional<at::Tensor>& v) {
+  return v.has_value() ? v->to(at::kFloat).contiguous() : at::Tensor();
+}
+
+// After the float32 sums of the weight rows [begin, end): each output times its row's scale (when given), plus its
+// bias (when given), rounded once to O, the inputs' dtype. In the same loop as the sums, while they are in the cache.
+template <typename O>
+inline void finish(const float* sums, O* out, const float* scale, const float* bias, int64_t M, int64_t N,
+                   int64_t begin, int64_t end) {
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t n = begin; n < end; ++n) {
+      float v = sums[m * N + n];
+      if (scale != nullptr) v *= scale[n];
+      if (bias != nullptr) v += bias[n];
+      out[m * N + n] = static_cast<O>(v);
+    }
+}
+
+// x [M, K] (float32 or bfloat16) @ w.T (* scale) (+ bias) for weights [N, K] that Lanes::load reads as float32 (their
+// type picks the load: float32, bfloat16 or int8); the sums float32, the result in x's dtype. ``sum_rows(m, xp, sums,
+// begin, end)`` computes the sums of weight rows [begin, end) for m rows of float32 inputs xp.
+template <typename SumRows>
+at::Tensor product(const at::Tensor& x_in, int64_t N, const std::optional<at::Tensor>& scale_in,
+                   const std::optional<at::Tensor>& bias_in, const SumRows& sum_rows) {
+  const at::Tensor x = x_in.contiguous(), scale = floats(scale_in), bias = floats(bias_in);
+  const int64_t M = x.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  const bool wide = x.scalar_type() == at::kFloat;
+  // float32 outputs take their sums in place; bfloat16 ones from a float32 buffer
+  std::vector<float> widened, buffer(wide ? 0 : M * N);
+  const float* xp = as_float(x, widened);
+  float* sums = wide ? out.data_ptr<float>() : buffer.data();
+  const float* sp = scale.defined() ? scale.data_ptr<float>() : nullptr;
+  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  split_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
+    sum_rows(m, xp, sums, begin, end);
+    if (wide) {
+      if (sp != nullptr || bp != nullptr) finish(sums, sums, sp, bp, M, N, begin, end);
+    } else {
+      finish(sums, out.data_ptr<at::BFloat16>(), sp, bp, M, N, begin, end);
+    }
+  });
+  return out;
+}
+
+// The sums of weight rows [begin, end) by the rows kernel, for weights of type W.
+template <typename W>
+auto widened_sums(const W* w, int64_t K, int64_t N) {
+  return [=](auto m, const float* xp, float* sums, int64_t begin, int64_t end) {
+    rows<decltype(m)::value>(xp, w, sums, K, N, begin, end);
+  };
 }
 
 at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
@@ -160,31 +208,21 @@ at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional
   TORCH_CHECK(w.size(1) % 16 == 0 && w.is_contiguous() && w.device().is_cpu() && x.device().is_cpu(),
               "rows_mm: a contiguous CPU weight whose rows are a multiple of 16 long");
   TORCH_CHECK(x.scalar_type() == w.scalar_type(), "rows_mm: x and w of one dtype");
-  const int64_t M = x.size(0), N = w.size(0);
-  at::Tensor out = at::empty({M, N}, x.options().dtype(at::kFloat));
-  float* o = out.data_ptr<float>();
-  bool done = false;
+  const int64_t K = x.size(1), N = w.size(0);
+  if (w.scalar_type() == at::kFloat) return product(x, N, std::nullopt, bias, widened_sums(w.data_ptr<float>(), K, N));
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "rows_mm: float32 or bfloat16 weights, got ", w.scalar_type());
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
 #ifdef SPECPIPE_DPBF16
-  const int64_t K = x.size(1);
-  if (w.scalar_type() == at::kBFloat16 && K % 32 == 0) {
-    at::Tensor xc = x.contiguous();
+  if (K % 32 == 0) {
+    const at::Tensor xc = x.contiguous();
     const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
-    const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
-    split_rows(M, N, [&](auto m, int64_t begin, int64_t end) {
-      rows_bf16<decltype(m)::value>(xp, wp, o, K, N, begin, end);
+    // the pairs instruction reads the bfloat16 inputs themselves, not their float32 copy
+    return product(xc, N, std::nullopt, bias, [=](auto m, const float*, float* sums, int64_t begin, int64_t end) {
+      rows_bf16<decltype(m)::value>(xp, wp, sums, K, N, begin, end);
     });
-    done = true;
   }
 #endif
-  if (!done) {
-    if (w.scalar_type() == at::kFloat) {
-      widened_rows(x, w.data_ptr<float>(), o, N);
-    } else {
-      TORCH_CHECK(w.scalar_type() == at::kBFloat16, "rows_mm: float32 or bfloat16 weights, got ", w.scalar_type());
-      widened_rows(x, w.data_ptr<at::BFloat16>(), o, N);
-    }
-  }
-  return finished(out, bias, x.scalar_type());
+  return product(x, N, std::nullopt, bias, widened_sums(wp, K, N));
 }
 
 // out = (x @ q.T) * scale (+ bias) for int8 weights q [N, K] (K a multiple of 16) and scale [N]: the products are
@@ -197,10 +235,7 @@ at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& q, const at::Tens
   TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= kMaxRows, "rows_mm_int8: 1 to ", kMaxRows, " rows, got ", x.size(0));
   TORCH_CHECK(q.scalar_type() == at::kChar && q.size(1) % 16 == 0 && q.is_contiguous() && q.device().is_cpu() &&
               x.device().is_cpu(), "rows_mm_int8: a contiguous CPU int8 weight whose rows are a multiple of 16 long");
-  at::Tensor out = at::empty({x.size(0), q.size(0)}, x.options().dtype(at::kFloat));
-  widened_rows(x, q.data_ptr<int8_t>(), out.data_ptr<float>(), q.size(0));
-  out.mul_(scale.to(at::kFloat));
-  return finished(out, bias, x.scalar_type());
+  return product(x, q.size(0), scale, bias, widened_sums(q.data_ptr<int8_t>(), q.size(1), q.size(0)));
 }
 
 // How many threads split_rows's loop runs on for n weight rows: at::parallel_for is inline in ATen's headers, so a
