@@ -209,6 +209,13 @@ class LlamaDecoder(nn.Module):
         # whether eager forwards run the per-token operations as the row kernels' operators
         self.layer_ops = (large and self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
                           and row_kernels.unavailable() is None)
+        # each layer's weights as row_kernels.decoder_layer takes them, where the rows kernel multiplies them all
+        self.layer_weights = None
+        if self.layer_ops and all(row_kernels.supports(self.embed.dtype, w) for w in self._matrices()[:-1]):
+            self.layer_weights = [row_kernels.layer_weights(
+                layer.norm1, layer.eps1, [(layer.qkv, layer.qkv_bias), (layer.o, layer.o_bias),
+                                          (layer.gate_up, layer.gate_up_bias), (layer.down, layer.down_bias)],
+                layer.norm2, layer.eps2) for layer in self.layers]
 
     def _matrices(self) -> list:
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
@@ -252,7 +259,16 @@ class LlamaDecoder(nn.Module):
         if not fused:
             cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]: broadcast over the heads
         captured = {}
+        whole = self._whole_layers(x.shape[0], kind, fused)
         for index, layer in enumerate(self.layers):
+            if whole is not None:  # the layer in one C++ call
+                cache, group = whole
+                keys, values = cache.pools(index, self.kv_heads, self.head_dim, x.dtype, x.device)
+                x = row_kernels.decoder_layer(x, self.layer_weights[index], cos, sin, keys, values, cache.write_slots,
+                                              group.blocks, group.mask, self.heads, layer.scaling)
+                if index in self.aux_layers:
+                    captured[index] = x
+                continue
             x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1, fused), cos, sin, kind, fused)
             h = product(kind, self._norm(x, layer.norm2, layer.eps2, fused), layer.gate_up, layer.gate_up_bias)
             if fused:
@@ -265,6 +281,14 @@ class LlamaDecoder(nn.Module):
                 captured[index] = x
         aux = torch.stack([captured[i] for i in self.aux_layers], dim=1) if captured else None
         return x, aux
+
+    def _whole_layers(self, tokens: int, kind: str, fused: bool):
+        """(the cache, the attention group) when every layer of this forward runs as one row_kernels.decoder_layer
+        call: the per-token operators are the library's, every product the rows kernel, and the attention one dense
+        group on the paged kernel (paged_attention.one_paged_group); else None."""
+        if not fused or kind != "rows" or self.layer_weights is None or not 0 < tokens <= row_kernels.MAX_ROWS:
+            return None
+        return paged_attention.one_paged_group(tokens)
 
     def final(self, x: Tensor, keep: Tensor) -> Tensor:
         """The final normed hidden states of the ``keep`` positions [K, d]: the LM head runs only where someone

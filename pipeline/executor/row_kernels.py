@@ -38,8 +38,9 @@ from ..dtypes import cpu_flags
 from ..quantize import Int8WeightOnlyLinear
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp", CSRC / "paged_attention.cpp")  # one library
-HEADERS = (CSRC / "lanes.h", CSRC / "vector_math.h", CSRC / "rope.h")
+# one library
+SOURCES = (CSRC / "rows_mm.cpp", CSRC / "layer_ops.cpp", CSRC / "paged_attention.cpp", CSRC / "decoder_layer.cpp")
+HEADERS = (CSRC / "lanes.h", CSRC / "vector_math.h", CSRC / "rope.h", CSRC / "kernels.h")
 MAX_ROWS = 16  # the widest forward the kernel takes (its register tile)
 DTYPES = (torch.float32, torch.bfloat16)
 # The kernel's instruction sets, the first the CPU has wins: (name, the CPU flags it needs, compiler flags). The
@@ -149,6 +150,7 @@ def _load() -> str | None:
     torch.library.register_fake("specpipe_rows::rope_write_attend")(
         lambda qkv, cos, sin, key, value, slots, blocks, mask, heads, scale: qkv.new_empty(
             qkv.shape[0], heads * cos.shape[-1]))
+    torch.library.register_fake("specpipe_rows::decoder_layer")(lambda x, *rest: torch.empty_like(x))
     torch.library.register_fake("specpipe_rows::rms_norm")(lambda x, weight, eps: torch.empty_like(x))
     torch.library.register_fake("specpipe_rows::silu_mul")(lambda h: h.new_empty(h.shape[0], h.shape[1] // 2))
     _state["build"] = digest
@@ -224,6 +226,24 @@ def rope_write_attend(qkv: Tensor, cos: Tensor, sin: Tensor, key: Tensor, value:
     ``slots`` [n W] (flat positions, block * block_size + offset), then paged_attention of its query heads over
     blocks/mask. -> [n W, heads * d]."""
     return torch.ops.specpipe_rows.rope_write_attend(qkv, cos, sin, key, value, slots, blocks, mask, heads, scale)
+
+
+def decoder_layer(x: Tensor, weights: tuple, cos: Tensor, sin: Tensor, key: Tensor, value: Tensor, slots: Tensor,
+                  blocks: Tensor, mask: Tensor, heads: int, scale: float) -> Tensor:
+    """A Llama-family layer in one call, for x [n W, d] (n rows of W tokens): RMSNorm, the fused QKV product,
+    rope_write_attend, the output product and the residual, RMSNorm, the gate/up product, silu_mul, the down product
+    and the residual, each as its own operator computes it. ``weights``: layer_weights' tuple."""
+    return torch.ops.specpipe_rows.decoder_layer(x, *weights, cos, sin, key, value, slots, blocks, mask, heads, scale)
+
+
+def layer_weights(norm1: Tensor, eps1: float, matrices: list[tuple], norm2: Tensor, eps2: float) -> tuple:
+    """decoder_layer's weight arguments from the layer's norms and its four matrices (qkv, o, gate_up, down), each
+    (weight, bias) with the weight a tensor or an int8 layer (its own bias then)."""
+    flat = []
+    for weight, bias in matrices:
+        flat += ([weight.qweight, weight.scale, weight.bias] if isinstance(weight, Int8WeightOnlyLinear)
+                 else [weight, None, bias])
+    return (norm1, eps1, *flat[:6], norm2, eps2, *flat[6:])
 
 
 def threads(rows: int = 1024) -> int:

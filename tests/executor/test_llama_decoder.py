@@ -266,38 +266,52 @@ def test_the_fused_layer_ops_give_the_torch_paths_logits(monkeypatch, dtype):
 
 
 @pytest.mark.skipif(row_kernels.unavailable() is not None, reason="the row kernels' library does not load here")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_step_of_one_width_attends_in_one_call_with_the_operators_numbers(monkeypatch, dtype):
-    """With the fused layer ops and the paged kernel, a forward whose rows share one width rotates, writes its KV and
-    attends in one C++ call per layer; rows of different widths take the operator. Both give the same logits and
-    leave the same KV, bit for bit."""
-    model = VARIANTS["qwen2-qkv-bias"]().to(dtype)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "int8"])
+def test_a_step_of_one_width_runs_in_one_call_per_layer_with_the_operators_numbers(monkeypatch, dtype):
+    """With the fused layer ops, the rows kernel and the paged kernel, a forward whose rows share one width runs each
+    layer as one C++ call (decoder_layer); with another product, its attention alone (RoPE, the KV write and the
+    paged kernel: rope_write_attend); rows of different widths take the operators one by one. All three give the
+    same logits and leave the same KV, bit for bit."""
+    model = VARIANTS["qwen2-qkv-bias"]().to(torch.bfloat16 if dtype == "int8" else dtype)
+    if dtype == "int8":  # int8 matrices (their biases inside them) through rows_mm_int8
+        quantize_model(model, "int8_weight_only")
     monkeypatch.setattr(matmul_choice, "MIN_BYTES", 1)
     steps = [(["a"], [[3, 9, 27, 4, 11, 30, 2]]), (["b"], [[5, 8, 13, 21, 34]]),
              (["a", "b"], [[7, 1, 4], [2, 6, 3]]),  # one width: one call
-             (["a", "b"], [[9, 9], [1, 2, 5, 7]]),  # two widths: the operator
+             (["a", "b"], [[9, 9], [1, 2, 5, 7]]),  # two widths: the operators
              (["b"], [[11]])]
 
     def run():
         runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=32)
         runner.cache.attention = AttentionPlan({16: "paged"})
-        assert runner._decoder.layer_ops
+        runner._decoder.kernels = KernelPlan(dict.fromkeys(range(1, 17), "rows"))
+        assert runner._decoder.layer_ops and runner._decoder.layer_weights is not None
         runner.open("a", steps[0][1][0])
         runner.open("b", steps[1][1][0])
         logits = [runner.forward(seqs, tokens, logits_for=[len(t) for t in tokens]) for seqs, tokens in steps]
         return logits, [(layer.keys.clone(), layer.values.clone()) for layer in runner.cache.layers]
 
+    def counted(name):
+        calls, call = [], getattr(row_kernels, name)
+        monkeypatch.setattr(row_kernels, name, lambda *a: calls.append(a[0].shape[0]) or call(*a))
+        return calls
+
+    attention_calls, layer_calls = counted("rope_write_attend"), counted("decoder_layer")
     with monkeypatch.context() as off:
         off.setattr(paged_attention, "rope_write_attend", lambda *a: None)
+        off.setattr(LlamaDecoder, "_whole_layers", lambda *a: None)
         expected, expected_kv = run()
-    calls, one_call = [], row_kernels.rope_write_attend
-    monkeypatch.setattr(row_kernels, "rope_write_attend", lambda *a: calls.append(a[0].shape[0]) or one_call(*a))
-    got, kv = run()
+    with monkeypatch.context() as off:
+        off.setattr(LlamaDecoder, "_whole_layers", lambda *a: None)
+        attention_only, attention_only_kv = run()
+    whole, whole_kv = run()
     layers = len(model.model.layers)
-    assert calls == [7] * layers + [5] * layers + [6] * layers + [1] * layers  # not the step of two widths
-    for step, (x, y) in enumerate(zip(got, expected)):
-        assert torch.equal(x, y), f"step {step}"
-    assert all(torch.equal(a, b) for pair, other in zip(kv, expected_kv) for a, b in zip(pair, other))
+    one_width = [7] * layers + [5] * layers + [6] * layers + [1] * layers  # not the step of two widths
+    assert attention_calls == one_width and layer_calls == one_width
+    for got, kv in ((attention_only, attention_only_kv), (whole, whole_kv)):
+        for step, (x, y) in enumerate(zip(got, expected)):
+            assert torch.equal(x, y), f"step {step}"
+        assert all(torch.equal(a, b) for pair, other in zip(kv, expected_kv) for a, b in zip(pair, other))
 
 
 @pytest.mark.skipif(huge_pages.unavailable() is not None, reason="no transparent huge pages here")

@@ -47,6 +47,10 @@ void rms_rows(const T* x, const T* w, T* out, int64_t tokens, int64_t dim, float
   });
 }
 
+}  // namespace
+
+namespace specpipe {
+
 // x [T, d], weight [d] of x's dtype: weight * (x * rsqrt(mean(x^2) + eps)), the statistics in float32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1) && x.scalar_type() ==
@@ -59,6 +63,10 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   });
   return out;
 }
+
+}  // namespace specpipe
+
+namespace {
 
 // qkv [T, C] (rows contiguous), cos/sin [T, d]: rotates the first ``heads`` heads of d columns of every row in place
 // (the query and key heads of a fused QKV output; the value heads after them are left alone).
@@ -86,6 +94,10 @@ void silu_rows(const T* h, T* out, int64_t tokens, int64_t width) {
   });
 }
 
+}  // namespace
+
+namespace specpipe {
+
 // h [T, 2 I] (gate then up, as the fused gate/up product gives them) -> silu(gate) * up [T, I].
 at::Tensor silu_mul(const at::Tensor& h) {
   TORCH_CHECK(h.dim() == 2 && h.size(1) % 2 == 0, "silu_mul: h [T, 2 I]");
@@ -98,7 +110,7 @@ at::Tensor silu_mul(const at::Tensor& h) {
   return out;
 }
 
-}  // namespace
+}  // namespace specpipe
 
 TORCH_LIBRARY_FRAGMENT(specpipe_rows, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -106,7 +118,7 @@ TORCH_LIBRARY_FRAGMENT(specpipe_rows, m) {
   m.def("silu_mul(Tensor h) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(specpipe_rows, CPU, m) {
-  m.impl("rms_norm", rms_norm);
+  m.impl("rms_norm", specpipe::rms_norm);
   m.impl("rope_", rope_);
-  m.impl("silu_mul", silu_mul);
+  m.impl("silu_mul", specpipe::silu_mul);
 }

@@ -223,6 +223,10 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   return out;
 }
 
+}  // namespace
+
+namespace specpipe {
+
 // A layer's attention for the eager lean decoder in one call. qkv [T, C]: the fused QKV product of n rows of W
 // tokens each (T = n W, row after row), its query heads, then its key heads, then its value heads, d columns each
 // (C at least (heads + 2 kv_heads) d). Rotates the query and key heads in place (cos/sin [T, d], as rope_), writes
@@ -262,7 +266,7 @@ at::Tensor rope_write_attend(at::Tensor qkv, const at::Tensor& cos, const at::Te
   return out;
 }
 
-}  // namespace
+}  // namespace specpipe
 
 TORCH_LIBRARY_FRAGMENT(specpipe_rows, m) {
   m.def("paged_attention(Tensor query, Tensor key, Tensor value, Tensor blocks, Tensor mask, float scale) -> Tensor");
@@ -271,5 +275,5 @@ TORCH_LIBRARY_FRAGMENT(specpipe_rows, m) {
 }
 TORCH_LIBRARY_IMPL(specpipe_rows, CPU, m) {
   m.impl("paged_attention", paged_attention);
-  m.impl("rope_write_attend", rope_write_attend);
+  m.impl("rope_write_attend", specpipe::rope_write_attend);
 }

@@ -201,6 +201,10 @@ auto widened_sums(const W* w, int64_t K, int64_t N) {
   };
 }
 
+}  // namespace
+
+namespace specpipe {
+
 at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "rows_mm: x [M, K] and w [N, K], got ", x.sizes(), " and ", w.sizes());
@@ -238,6 +242,10 @@ at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& q, const at::Tens
   return product(x, q.size(0), scale, bias, widened_sums(q.data_ptr<int8_t>(), q.size(1), q.size(0)));
 }
 
+}  // namespace specpipe
+
+namespace {
+
 // How many threads split_rows's loop runs on for n weight rows: at::parallel_for is inline in ATen's headers, so a
 // library built without OpenMP runs it on one thread whatever torch's setting (what the build's test checks).
 int64_t threads(int64_t n) {
@@ -259,7 +267,7 @@ TORCH_LIBRARY(specpipe_rows, m) {
   m.def("threads(int n) -> int");
 }
 TORCH_LIBRARY_IMPL(specpipe_rows, CPU, m) {
-  m.impl("rows_mm", rows_mm);
-  m.impl("rows_mm_int8", rows_mm_int8);
+  m.impl("rows_mm", specpipe::rows_mm);
+  m.impl("rows_mm_int8", specpipe::rows_mm_int8);
 }
 TORCH_LIBRARY_IMPL(specpipe_rows, CompositeExplicitAutograd, m) { m.impl("threads", threads); }
