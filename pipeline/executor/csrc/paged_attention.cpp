@@ -95,10 +95,14 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
       }
       specpipe::sums8(dots, scores);
       float best = kNone;
-      for (int64_t u = 0; u < kTile; ++u) {
-        const float bias = u < tile ? m[i][j0 + u] : kNever;
-        scores[u] = bias <= kNever ? kNone : scores[u] * s.scale + bias;  // "never": its weight is 0
-        best = std::max(best, scores[u]);
+      if (tile == kTile) {
+        best = specpipe::scaled_scores8(scores, m[i] + j0, s.scale, kNever);
+      } else {
+        for (int64_t u = 0; u < kTile; ++u) {
+          const float bias = u < tile ? m[i][j0 + u] : kNever;
+          scores[u] = bias <= kNever ? kNone : scores[u] * s.scale + bias;  // "never": its weight is 0
+          best = std::max(best, scores[u]);
+        }
       }
       if (best == kNone) continue;
       float* acc = part + i * stride;

@@ -3,6 +3,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <limits>
+
 #include "lanes.h"
 
 namespace specpipe {
@@ -48,6 +50,20 @@ inline __m256 exp_ps(__m256 x) {
 // out[u] = e^(x[u] - top) (0 where x[u] is -infinity)
 inline void exp8(const float* x, float top, float* out) {
   _mm256_storeu_ps(out, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(x), _mm256_set1_ps(top))));
+}
+
+// A full tile's scores as the softmax takes them: scores[u] * scale + bias[u] (the product rounded before the sum),
+// -infinity where bias[u] is at or below ``never`` (the mask's "never attend"); returns their maximum.
+inline float scaled_scores8(float* scores, const float* bias, float scale, float never) {
+  const __m256 b = _mm256_loadu_ps(bias);
+  const __m256 blocked = _mm256_cmp_ps(b, _mm256_set1_ps(never), _CMP_LE_OQ);
+  __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(scores), _mm256_set1_ps(scale)), b);
+  v = _mm256_blendv_ps(v, _mm256_set1_ps(-std::numeric_limits<float>::infinity()), blocked);
+  _mm256_storeu_ps(scores, v);
+  __m256 top = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  top = _mm256_max_ps(top, _mm256_permute_ps(top, 0x4E));
+  top = _mm256_max_ps(top, _mm256_permute_ps(top, 0xB1));
+  return _mm256_cvtss_f32(top);
 }
 
 // e^x for one number, as exp8 computes it
