@@ -58,8 +58,8 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
   const int64_t end = std::min(s.length, (chunk + 1) * kChunk);
   const T* k[kTile];
   const T* v[kTile];
-  alignas(32) float scores[kTile];
-  alignas(32) float weights[kTile];
+  // per query of the tile: its scores, its softmax weights, its largest score
+  std::vector<float> tile_scores(queries * kTile), tile_weights(queries * kTile), bests(queries);
   // Where key j of the row lies in the pools (its value lies at the same offset)
   const auto offset = [&](int64_t j) {
     return ((table_row[j / s.block_size] * s.block_size + j % s.block_size) * s.kv_heads + kv) * s.dim;
@@ -82,6 +82,10 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
         _mm_prefetch(value_row + 64 * line, _MM_HINT_T0);
       }
     }
+    // Three passes over the queries, each query's arithmetic the same as in one: the scores of all, then the
+    // softmax weights of all, then the weighted values of all. Within a query each step waits on the one before
+    // (sum, scale, maximum, exp, multiply-add); across queries they are independent, and passes let the CPU
+    // overlap them.
     for (int64_t i = 0; i < queries; ++i) {
       // The tile's scores: independent dot products side by side (one would wait on its own multiply-adds)
       typename Lanes::V dots[kTile];
@@ -93,6 +97,7 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
 #pragma GCC unroll 8
         for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::fma(qv, Lanes::load(k[u] + t), dots[u]);
       }
+      float* scores = tile_scores.data() + i * kTile;
       specpipe::sums8(dots, scores);
       float best = kNone;
       if (tile == kTile) {
@@ -104,7 +109,11 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
           best = std::max(best, scores[u]);
         }
       }
-      if (best == kNone) continue;
+      bests[i] = best;
+    }
+    for (int64_t i = 0; i < queries; ++i) {
+      const float best = bests[i];
+      if (best == kNone) continue;  // no key of this tile for this query
       float* acc = part + i * stride;
       float& top = acc[s.dim];
       float& total = acc[s.dim + 1];
@@ -118,13 +127,18 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
         total *= shrink;
         top = best;
       }
-      specpipe::exp8(scores, top, weights);  // exp(score - top), 0 for "never"
+      float* weights = tile_weights.data() + i * kTile;
+      specpipe::exp8(tile_scores.data() + i * kTile, top, weights);  // exp(score - top), 0 for "never"
+#pragma GCC unroll 8
+      for (int64_t u = 0; u < kTile; ++u) total += weights[u];
+    }
+    for (int64_t i = 0; i < queries; ++i) {
+      if (bests[i] == kNone) continue;
+      float* acc = part + i * stride;
+      const float* weights = tile_weights.data() + i * kTile;
       typename Lanes::V weight[kTile];
 #pragma GCC unroll 8
-      for (int64_t u = 0; u < kTile; ++u) {
-        total += weights[u];
-        weight[u] = Lanes::set1(weights[u]);
-      }
+      for (int64_t u = 0; u < kTile; ++u) weight[u] = Lanes::set1(weights[u]);
       // Each lane of the sum adds the tile's keys in order; a short tile's extra keys weigh 0 (adding exactly 0)
       for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
         typename Lanes::V sum = Lanes::load(acc + t);
