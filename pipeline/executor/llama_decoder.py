@@ -261,26 +261,33 @@ class LlamaDecoder(nn.Module):
         captured = {}
         whole = self._whole_layers(x.shape[0], kind, fused)
         for index, layer in enumerate(self.layers):
-            if whole is not None:  # the layer in one C++ call
-                cache, group = whole
-                keys, values = cache.pools(index, self.kv_heads, self.head_dim, x.dtype, x.device)
-                x = row_kernels.decoder_layer(x, self.layer_weights[index], cos, sin, keys, values, cache.write_slots,
-                                              group.blocks, group.mask, self.heads, layer.scaling)
-                if index in self.aux_layers:
-                    captured[index] = x
-                continue
-            x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1, fused), cos, sin, kind, fused)
-            h = product(kind, self._norm(x, layer.norm2, layer.eps2, fused), layer.gate_up, layer.gate_up_bias)
-            if fused:
-                gated = row_kernels.silu_mul(h)
+            if whole is not None:
+                x = self._one_call(index, layer, x, cos, sin, *whole)
             else:
-                gate, up = h.split(layer.intermediate, dim=-1)
-                gated = F.silu(gate) * up
-            x = x + product(kind, gated, layer.down, layer.down_bias)
+                x = self._layer(index, layer, x, cos, sin, kind, fused)
             if index in self.aux_layers:
                 captured[index] = x
         aux = torch.stack([captured[i] for i in self.aux_layers], dim=1) if captured else None
         return x, aux
+
+    def _layer(self, index: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, kind: str,
+               fused: bool) -> Tensor:
+        """The residual stream after ``layer``, operator by operator."""
+        x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1, fused), cos, sin, kind, fused)
+        h = product(kind, self._norm(x, layer.norm2, layer.eps2, fused), layer.gate_up, layer.gate_up_bias)
+        if fused:
+            gated = row_kernels.silu_mul(h)
+        else:
+            gate, up = h.split(layer.intermediate, dim=-1)
+            gated = F.silu(gate) * up
+        return x + product(kind, gated, layer.down, layer.down_bias)
+
+    def _one_call(self, index: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, cache,
+                  group) -> Tensor:
+        """The residual stream after ``layer``, in one C++ call (see _whole_layers)."""
+        keys, values = cache.pools(index, self.kv_heads, self.head_dim, x.dtype, x.device)
+        return row_kernels.decoder_layer(x, self.layer_weights[index], cos, sin, keys, values, cache.write_slots,
+                                         group.blocks, group.mask, self.heads, layer.scaling)
 
     def _whole_layers(self, tokens: int, kind: str, fused: bool):
         """(the cache, the attention group) when every layer of this forward runs as one row_kernels.decoder_layer
