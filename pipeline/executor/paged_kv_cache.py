@@ -202,6 +202,8 @@ class PagedKVCache(Cache):
             if start + count > self.max_len:
                 raise ValueError(f"KV cache: a sequence would exceed its {self.max_len} positions")
             self.pool.reserve(seq, start + count)
+        if len(seqs) == 1 and trees[0] is None and 0 < counts[0] <= SHORT_ROW:
+            return self._one_short_row(seqs[0], starts[0], counts[0], device, dtype)
         # The step's metadata as tensors, per packed token without a loop over tokens: its row, its cache position
         # (where its KV goes), its slot in the pool through the row's block table.
         lists = [self.pool.tables[seq] for seq in seqs]
@@ -226,6 +228,24 @@ class PagedKVCache(Cache):
         if short:
             groups.insert(0, self._group(tables, starts_t, counts_t, firsts, trees, short, device, dtype))
         return positions[None].to(device), ForwardPlan(groups, int(row.shape[0]))
+
+    def _one_short_row(self, seq, start: int, count: int, device, dtype) -> tuple[Tensor, ForwardPlan]:
+        """prepare for the commonest step, one row of at most SHORT_ROW new tokens and no tree (every decode and
+        verify at batch 1): the same tensors as the general path (a test compares them) from the row's numbers,
+        with a handful of tensor operations where the general path takes about forty (0.3 ms, an eighth of a small
+        model's step)."""
+        size, table = self.pool.block_size, self.pool.tables[seq]
+        self.write_slots = torch.tensor([table[p // size] * size + p % size for p in range(start, start + count)],
+                                        dtype=torch.long).to(device)
+        blocks = -(-(start + count) // size)
+        kernel = self.attention.kind(count)
+        masking = mask_dtype(kernel, dtype)
+        # query i sees the cached positions up to its own, start + i; "never" above that diagonal
+        mask = torch.full((count, blocks * size), torch.finfo(masking).min, dtype=masking).triu_(start + 1)
+        index = torch.arange(count).to(device)
+        group = AttentionGroup(index[None], index, index, torch.tensor([table[:blocks]], dtype=torch.long).to(device),
+                               mask[None, None].to(device), True, kernel)
+        return torch.arange(start, start + count)[None].to(device), ForwardPlan([group], count)
 
     def _group(self, tables: Tensor, starts: Tensor, counts: Tensor, firsts: Tensor, trees: list,
                members: list[int], device, dtype) -> AttentionGroup:
