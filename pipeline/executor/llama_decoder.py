@@ -259,21 +259,24 @@ class LlamaDecoder(nn.Module):
         if not fused:
             cos, sin = cos[:, None], sin[:, None]  # [T, 1, d]: broadcast over the heads
         captured = {}
-        whole = self._whole_layers(x.shape[0], kind, fused)
+        # one dense attention group on the paged kernel: the layer, or else its attention, in one C++ call
+        paged = paged_attention.one_paged_group(x.shape[0]) if fused else None
+        whole = paged is not None and self._whole_layers(x.shape[0], kind)
         for index, layer in enumerate(self.layers):
-            if whole is not None:
-                x = self._one_call(index, layer, x, cos, sin, *whole)
+            if whole:
+                x = self._one_call(index, layer, x, cos, sin, paged)
             else:
-                x = self._layer(index, layer, x, cos, sin, kind, fused)
+                x = self._layer(index, layer, x, cos, sin, kind, fused, paged)
             if index in self.aux_layers:
                 captured[index] = x
         aux = torch.stack([captured[i] for i in self.aux_layers], dim=1) if captured else None
         return x, aux
 
-    def _layer(self, index: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, kind: str,
-               fused: bool) -> Tensor:
-        """The residual stream after ``layer``, operator by operator."""
-        x = x + self._attention(index, layer, self._norm(x, layer.norm1, layer.eps1, fused), cos, sin, kind, fused)
+    def _layer(self, index: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, kind: str, fused: bool,
+               paged: tuple | None) -> Tensor:
+        """The residual stream after ``layer``, operator by operator (its attention in one call with ``paged``)."""
+        h = self._norm(x, layer.norm1, layer.eps1, fused)
+        x = x + self._attention(index, layer, h, cos, sin, kind, fused, paged)
         h = product(kind, self._norm(x, layer.norm2, layer.eps2, fused), layer.gate_up, layer.gate_up_bias)
         if fused:
             gated = row_kernels.silu_mul(h)
@@ -282,20 +285,20 @@ class LlamaDecoder(nn.Module):
             gated = F.silu(gate) * up
         return x + product(kind, gated, layer.down, layer.down_bias)
 
-    def _one_call(self, index: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, cache,
-                  group) -> Tensor:
+    def _one_call(self, index: int, layer: _Layer, x: Tensor, cos: Tensor, sin: Tensor, paged: tuple) -> Tensor:
         """The residual stream after ``layer``, in one C++ call (see _whole_layers)."""
-        keys, values = cache.pools(index, self.kv_heads, self.head_dim, x.dtype, x.device)
+        cache, group = paged
+        keys, values = self._pools(cache, index, x)
         return row_kernels.decoder_layer(x, self.layer_weights[index], cos, sin, keys, values, cache.write_slots,
                                          group.blocks, group.mask, self.heads, layer.scaling)
 
-    def _whole_layers(self, tokens: int, kind: str, fused: bool):
-        """(the cache, the attention group) when every layer of this forward runs as one row_kernels.decoder_layer
-        call: the per-token operators are the library's, every product the rows kernel, and the attention one dense
-        group on the paged kernel (paged_attention.one_paged_group); else None."""
-        if not fused or kind != "rows" or self.layer_weights is None or not 0 < tokens <= row_kernels.MAX_ROWS:
-            return None
-        return paged_attention.one_paged_group(tokens)
+    def _pools(self, cache, index: int, x: Tensor) -> tuple[Tensor, Tensor]:
+        return cache.pools(index, self.kv_heads, self.head_dim, x.dtype, x.device)
+
+    def _whole_layers(self, tokens: int, kind: str) -> bool:
+        """Whether every layer of a forward whose attention is one dense paged group runs as one
+        row_kernels.decoder_layer call: every product the rows kernel's, and the rows kernel takes them all."""
+        return kind == "rows" and self.layer_weights is not None and 0 < tokens <= row_kernels.MAX_ROWS
 
     def final(self, x: Tensor, keep: Tensor) -> Tensor:
         """The final normed hidden states of the ``keep`` positions [K, d]: the LM head runs only where someone
@@ -305,16 +308,18 @@ class LlamaDecoder(nn.Module):
     def head(self, final: Tensor) -> Tensor:
         return product(self.kernels.kind(final.shape[0]), final, self.lm_head, self.lm_head_bias)
 
-    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kind: str,
-                   fused: bool) -> Tensor:
+    def _attention(self, index: int, layer: _Layer, h: Tensor, cos: Tensor, sin: Tensor, kind: str, fused: bool,
+                   paged: tuple | None) -> Tensor:
         tokens = h.shape[0]
         qkv = product(kind, h, layer.qkv, layer.qkv_bias)
-        if fused:
-            out = paged_attention.rope_write_attend(qkv, cos, sin, index, self.heads, self.kv_heads, self.head_dim,
-                                                   layer.scaling)
-            if out is not None:  # RoPE, the KV write and attention in one C++ call
-                return product(kind, out, layer.o, layer.o_bias)
-            row_kernels.rope_(qkv, cos, sin, self.heads + self.kv_heads)  # the query and key heads, in place
+        if paged is not None:  # RoPE, the KV write and attention in one C++ call
+            cache, group = paged
+            keys, values = self._pools(cache, index, qkv)
+            out = row_kernels.rope_write_attend(qkv, cos, sin, keys, values, cache.write_slots, group.blocks,
+                                                group.mask, self.heads, layer.scaling)
+            return product(kind, out, layer.o, layer.o_bias)
+        if fused:  # the query and key heads rotated in place, one operator
+            row_kernels.rope_(qkv, cos, sin, self.heads + self.kv_heads)
         q, k, v = qkv.split((layer.q_width, layer.kv_width, layer.kv_width), dim=-1)
         q, k = q.view(tokens, self.heads, self.head_dim), k.view(tokens, self.kv_heads, self.head_dim)
         if not fused:

@@ -30,7 +30,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from . import row_kernels
 from .attention_choice import attend_rows
 
 ATTENTION_NAME = "specpipe_paged"
@@ -97,26 +96,13 @@ def _(query: Tensor, key: Tensor, value: Tensor, layer: int, scaling: float) -> 
 def one_paged_group(tokens: int):
     """(the cache, the group) when the active plan lays out ``tokens`` tokens as one dense group on the ``paged``
     kernel (a decode or verify step whose rows have one width: every step at batch 1), else None: what the eager
-    lean decoder's one-call paths (row_kernels.rope_write_attend, row_kernels.decoder_layer) take."""
+    lean decoder's one-call paths (row_kernels.rope_write_attend, row_kernels.decoder_layer) take; they write the
+    cache's pools themselves (PagedKVCache.pools)."""
     plan, cache = getattr(_active, "plan", None), getattr(_active, "cache", None)
     if plan is None or cache is None or len(plan.groups) != 1 or tokens != plan.tokens:
         return None
     group = plan.groups[0]
     return (cache, group) if group.dense and group.kernel == "paged" else None
-
-
-def rope_write_attend(qkv: Tensor, cos: Tensor, sin: Tensor, layer: int, heads: int, kv_heads: int, head_dim: int,
-                      scaling: float) -> Tensor | None:
-    """One layer's attention for the eager lean decoder as one C++ call (row_kernels.rope_write_attend): RoPE over
-    qkv [T, C] (the fused QKV product; cos/sin [T, d]), the KV write and the paged kernel, [T, heads * d]. None
-    where the plan is not one_paged_group's (the caller then rotates and runs the operator)."""
-    found = one_paged_group(qkv.shape[0])
-    if found is None:
-        return None
-    cache, group = found
-    keys, values = cache.pools(layer, kv_heads, head_dim, qkv.dtype, qkv.device)
-    return row_kernels.rope_write_attend(qkv, cos, sin, keys, values, cache.write_slots, group.blocks, group.mask,
-                                         heads, scaling)
 
 
 def paged_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask, scaling=None, dropout=0.0,

@@ -239,11 +239,9 @@ def decoder_layer(x: Tensor, weights: tuple, cos: Tensor, sin: Tensor, key: Tens
 def layer_weights(norm1: Tensor, eps1: float, matrices: list[tuple], norm2: Tensor, eps2: float) -> tuple:
     """decoder_layer's weight arguments from the layer's norms and its four matrices (qkv, o, gate_up, down), each
     (weight, bias) with the weight a tensor or an int8 layer (its own bias then)."""
-    flat = []
-    for weight, bias in matrices:
-        flat += ([weight.qweight, weight.scale, weight.bias] if isinstance(weight, Int8WeightOnlyLinear)
-                 else [weight, None, bias])
-    return (norm1, eps1, *flat[:6], norm2, eps2, *flat[6:])
+    qkv, o, gate_up, down = ((weight.qweight, weight.scale, weight.bias) if isinstance(weight, Int8WeightOnlyLinear)
+                             else (weight, None, bias) for weight, bias in matrices)
+    return (norm1, eps1, *qkv, *o, norm2, eps2, *gate_up, *down)
 
 
 def threads(rows: int = 1024) -> int:

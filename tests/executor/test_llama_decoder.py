@@ -298,11 +298,10 @@ def test_a_step_of_one_width_runs_in_one_call_per_layer_with_the_operators_numbe
 
     attention_calls, layer_calls = counted("rope_write_attend"), counted("decoder_layer")
     with monkeypatch.context() as off:
-        off.setattr(paged_attention, "rope_write_attend", lambda *a: None)
-        off.setattr(LlamaDecoder, "_whole_layers", lambda *a: None)
+        off.setattr(paged_attention, "one_paged_group", lambda *a: None)  # neither one-call path
         expected, expected_kv = run()
     with monkeypatch.context() as off:
-        off.setattr(LlamaDecoder, "_whole_layers", lambda *a: None)
+        off.setattr(LlamaDecoder, "_whole_layers", lambda *a: False)
         attention_only, attention_only_kv = run()
     whole, whole_kv = run()
     layers = len(model.model.layers)

@@ -11,21 +11,16 @@
 #include <cmath>
 #include <type_traits>
 
+#include "kernels.h"
 #include "lanes.h"
 #include "rope.h"
 
 namespace {
 
+using specpipe::by_dtype;
 using specpipe::Lanes;
 using specpipe::round_to;
 
-// Calls f with a null pointer of t's element type (float32 or bfloat16), from which f takes its type.
-template <typename F>
-void by_dtype(const at::Tensor& t, const char* op, const F& f) {
-  if (t.scalar_type() == at::kFloat) return f(static_cast<float*>(nullptr));
-  TORCH_CHECK(t.scalar_type() == at::kBFloat16, op, ": float32 or bfloat16, got ", t.scalar_type());
-  f(static_cast<at::BFloat16*>(nullptr));
-}
 
 template <typename T>
 void rms_rows(const T* x, const T* w, T* out, int64_t tokens, int64_t dim, float eps) {

@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels.h"
 #include "lanes.h"
 #include "rope.h"
 #include "vector_math.h"
@@ -206,8 +207,6 @@ Shape shape_of(int64_t n, int64_t width, int64_t heads, int64_t dim, int64_t que
               op, ": head sizes a multiple of ", Lanes::kWidth, " and query heads a multiple of KV heads");
   TORCH_CHECK(query.scalar_type() == key.scalar_type() && key.scalar_type() == value.scalar_type(),
               op, ": query and pools of one dtype");
-  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
-              op, ": float32 or bfloat16, got ", query.scalar_type());
   TORCH_CHECK(mask.scalar_type() == at::kFloat && mask.numel() == n * width * table * block_size &&
               mask.is_contiguous(), op, ": a contiguous float32 mask [n, 1, W, B * block_size]");
   TORCH_CHECK(key.is_contiguous() && value.is_contiguous() && blocks.scalar_type() == at::kLong &&
@@ -215,12 +214,6 @@ Shape shape_of(int64_t n, int64_t width, int64_t heads, int64_t dim, int64_t que
   const int64_t length = table * block_size;
   return Shape{width, heads, kv_heads, heads / kv_heads, dim, block_size, table, length,
                std::max<int64_t>(1, (length + kChunk - 1) / kChunk), static_cast<float>(scale), query_stride};
-}
-
-template <typename F>
-void by_dtype(const at::Tensor& t, const F& f) {
-  if (t.scalar_type() == at::kFloat) return f(static_cast<float*>(nullptr));
-  f(static_cast<at::BFloat16*>(nullptr));
 }
 
 // query [n, W, heads, d]; key/value pools [blocks, block_size, kv_heads, d]; blocks [n, B] each row's block
@@ -233,7 +226,7 @@ at::Tensor paged_attention(const at::Tensor& query, const at::Tensor& key, const
   const Shape shape = shape_of(q.size(0), q.size(1), heads, dim, heads * dim, q, key, value, b, m, scale,
                                "paged_attention");
   at::Tensor out = at::empty_like(q);
-  by_dtype(q, [&](auto* type) {
+  specpipe::by_dtype(q, "paged_attention", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     attend(shape, q.size(0), q.data_ptr<T>(), key.data_ptr<T>(), value.data_ptr<T>(), b.data_ptr<int64_t>(),
            m.data_ptr<float>(), out.data_ptr<T>());
@@ -267,7 +260,7 @@ at::Tensor rope_write_attend(at::Tensor qkv, const at::Tensor& cos, const at::Te
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "rope_write_attend: slot ", slot[t], " outside the pools");
   at::Tensor out = at::empty({tokens, heads * dim}, qkv.options());
-  by_dtype(qkv, [&](auto* type) {
+  specpipe::by_dtype(qkv, "rope_write_attend", [&](auto* type) {
     using T = std::remove_pointer_t<decltype(type)>;
     T* rows = qkv.data_ptr<T>();
     specpipe::rope_rows(rows, c.data_ptr<T>(), s.data_ptr<T>(), tokens, qkv.stride(0), heads + kv_heads, dim);
