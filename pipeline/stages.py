@@ -9,6 +9,7 @@ checks a config against it without this module.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -17,6 +18,8 @@ from .backends import get_backend
 from .built_config import check_built_from, role_config
 from .checks import CheckReport, check_pair, with_resolved_defaults
 from .config import PipelineConfig
+from .dtypes import torch_device
+from .engine_info import ENGINE_FILE
 from .layout import Layout
 from .models import resolve_model, weight_files
 
@@ -100,7 +103,23 @@ def run_stages(config: PipelineConfig, engines_dir: Path, stages: tuple[str, ...
                 print(f"[{stage}] {role}: {result.status} ({result.seconds:.1f}s) -> {result.path}",
                       file=sys.stderr, flush=True)
                 results.append(result)
+        if "build" in stages:
+            _ready_row_kernels(config, layout)
     return results
+
+
+def _ready_row_kernels(config: PipelineConfig, layout: Layout) -> None:
+    """A torch engine on the lean decoder runs on a CPU through the row kernels' C++ library
+    (executor/row_kernels.py): build it now (about 40 s on 2 cores, once per machine and source, kept in the cache
+    folder) rather than at the engine's first start. A CPU it cannot run on is said, not an error."""
+    if config.backend != "torch" or torch_device(config.runtime.device) != "cpu":
+        return
+    runners = [json.loads((layout.stage_dir(role, "build") / ENGINE_FILE).read_text()).get("runner")
+               for role in config.roles]
+    if "lean" in runners:
+        from .executor import row_kernels
+
+        print(f"row kernels: {row_kernels.unavailable() or row_kernels.state()}", file=sys.stderr, flush=True)
 
 
 def summary(results: list[StageResult]) -> str:

@@ -12,17 +12,20 @@ import pytest
 from pipeline.artifacts import read_manifest
 from pipeline.config import load_config
 from pipeline.errors import EngineError
-from pipeline.executor import SpeculativeExecutor
+from pipeline.executor import SpeculativeExecutor, row_kernels
 from pipeline.kv_settings import KVSettings
 from pipeline.stages import run_stages
 from tests.conftest import run_cli, tiny_config_dict, write_config
 
 
-def test_build_writes_manifests_and_is_up_to_date(tiny_config, tmp_path):
+def test_build_writes_manifests_and_is_up_to_date(tiny_config, tmp_path, monkeypatch, capsys):
     config = load_config(tiny_config)
     engines = tmp_path / "engines"
+    asked = []  # a CPU engine's build readies the row kernels' library (here: asks for it, once per build)
+    monkeypatch.setattr(row_kernels, "unavailable", lambda: asked.append(1) or "needs a test's permission")
     first = run_stages(config, engines, ("convert", "build"))
     assert [r.status for r in first] == ["built"] * 4
+    assert len(asked) == 1 and "row kernels: needs a test's permission" in capsys.readouterr().err
     for role in ("target", "draft"):
         for stage in ("convert", "build"):
             folder = engines / config.name / role / stage

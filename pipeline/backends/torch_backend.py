@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..config import PipelineConfig
 from ..decoder_support import runner_for
+from ..dtypes import torch_device
 from ..engine_info import ENGINE_FILE, engine_fields, write_engine_info
 from .. import eagle3_heads
 from ..medusa_heads import CONFIG_FILE, ENGINE_SUBDIR, HEADS_FILE
@@ -56,8 +57,11 @@ def build_plan(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir:
     mode = config.build.quantization.of(role)
     quantized = [f"measure the {mode} model's logit error against float32 (the engine keeps full weights; the "
                  f"executor quantizes them on load)"] if mode != "none" else []
+    kernels = ["build the row kernels' C++ library for this CPU if it is not built yet (kept in the cache folder; "
+               "a lean-decoder engine runs on it)"] if torch_device(config.runtime.device) == "cpu" else []
     return [f"load {checkpoint_dir} as {getattr(config, role).dtype}", *heads, *quantized,
-            f"write {out_dir}/model.safetensors, tokenizer, {ENGINE_FILE} ({json.dumps(engine_limits(config, role))})"]
+            f"write {out_dir}/model.safetensors, tokenizer, {ENGINE_FILE} ({json.dumps(engine_limits(config, role))})",
+            *kernels]
 
 
 def build(config: PipelineConfig, role: str, checkpoint_dir: Path, out_dir: Path) -> dict:

@@ -15,7 +15,7 @@ Each torch kernel reads copies of a row's keys and values gathered from the page
 and is timed with the gather, over keys scattered in pools as the engine's. ``paged``, the row kernels' C++
 attention (csrc/paged_attention.cpp), reads them where they lie: on the AMD EPYC (Zen 3, 2 threads) one query
 against 400 keys took 32-35 us in float32 and bfloat16, against 134-366 for the torch kernels with their gather.
-It is offered to models large enough to build that library for (matmul_choice.MIN_BYTES) on CPUs where it loads.
+An engine's plan offers it on every CPU where that library loads (built once per machine, on first use).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..quantize import weight_bytes
 from . import row_kernels
-from .matmul_choice import MARGIN, MIN_BYTES, remembered
+from .matmul_choice import MARGIN, remembered
 
 KINDS = ("sdpa", "grouped", "sdpa_f32", "paged")
 # kernels that attend in float32 take their mask in float32 (made once per step)
@@ -73,8 +72,8 @@ KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}  # 
 
 def kinds_for(dtype: torch.dtype, device: torch.device, dim: int, library: bool) -> tuple[str, ...]:
     """The kernels worth timing: sdpa_f32 only for 16-bit models (in float32 it is SDPA itself); ``paged`` (the
-    row kernels' C++ attention, which reads the block pools in place) where ``library`` (a model large enough to
-    build the row kernels' library for) and it loads on this CPU, for a float32 or bfloat16 model whose head size
+    row kernels' C++ attention, which reads the block pools in place) where ``library`` (the caller lets the row
+    kernels' library be built: an engine does) and it loads on this CPU, for a float32 or bfloat16 model whose head size
     is a multiple of 16."""
     paged = (library and device.type == "cpu" and dtype in row_kernels.DTYPES and dim % 16 == 0
              and row_kernels.unavailable() is None)
@@ -182,9 +181,7 @@ def for_model(model, device: torch.device | str) -> AttentionPlan:
     dim = getattr(config, "head_dim", None) or (hidden // heads if hidden and heads else None)
     if not (heads and kv_heads and dim):
         return AttentionPlan()
-    # Like the matrix products, only a model from matmul_choice.MIN_BYTES up has the C++ kernels built for it
-    large = weight_bytes(model) >= MIN_BYTES
-    return measured_once(next(model.parameters()).dtype, device, heads, kv_heads, dim, library=large)
+    return measured_once(next(model.parameters()).dtype, device, heads, kv_heads, dim, library=True)
 
 
 def measured_once(dtype: torch.dtype, device: torch.device | str, heads: int, kv_heads: int, dim: int,

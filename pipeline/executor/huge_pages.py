@@ -20,6 +20,9 @@ from torch import Tensor
 SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 ALIGN = 64  # bytes: every tensor starts on a cache line
 OFF_SWITCH = "SPECPIPE_NO_HUGE_PAGES"  # set (to anything) to leave the matrices where torch put them
+# A model's matrices under this many bytes stay where torch put them: they fit in a few dozen 2 MiB pages' reach of
+# the TLB either way, and an arena per small model (the tests open hundreds) would only round each up to whole pages.
+MIN_BYTES = 64 << 20
 
 
 def unavailable(setting: Path = SETTING) -> str | None:

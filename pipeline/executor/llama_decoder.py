@@ -5,10 +5,10 @@ one layer: RMSNorm, attention with rotary positions and grouped KV heads, RMSNor
 Hugging Face modules a decode step of such a model spends as long in small ops and module calls as in its matrix
 products; here a layer is four matrix products (fused QKV, output, fused gate/up, down), the norms, a RoPE lookup in
 precomputed tables, and paged attention. Where the row kernels' C++ library loads (row_kernels.py), an eager forward
-of a model large enough to have its products measured also runs RMSNorm, RoPE and SiLU(gate) * up as one operator
-each (rounded as the torch expressions; a compiled forward leaves them to the compiler). The weights are the loaded
-model's: the fused matrices are new tensors (for such a model, in one block of huge pages: huge_pages.py) and the
-model's own projections become views into them, so nothing is held twice and the model still serves ``generate``.
+on a CPU also runs RMSNorm, RoPE and SiLU(gate) * up as one operator each (rounded as the torch expressions; a
+compiled forward leaves them to the compiler), and a step whose rows share one width runs each layer in one call.
+The weights are the loaded model's: the fused matrices are new tensors (from huge_pages.MIN_BYTES of them, in one
+block of huge pages) and the model's own projections become views into them, so nothing is held twice and the model still serves ``generate``.
 
 ``unsupported(model)`` says why a model must stay on the Hugging Face path (None when it may run here; the rules on
 config.json alone are pipeline/decoder_support.py's, which `check` and the build use); the engine checks it and
@@ -170,8 +170,8 @@ class LlamaDecoder(nn.Module):
     inside ``paged_attention.active(plan, cache)``."""
 
     def __init__(self, model, max_positions: int, kernels: KernelPlan | None = None, aux_layers: tuple = ()):
-        """``kernels``: the matrix product per forward width; left out, measured over the model's weights (a
-        model under matmul_choice.MIN_BYTES uses F.linear throughout). ``aux_layers``: decoder layers whose
+        """``kernels``: the matrix product per forward width; left out, measured over the model's weights on a
+        CPU (F.linear throughout on CUDA). ``aux_layers``: decoder layers whose
         outputs (the residual stream after them) every forward also returns, for every token (see step)."""
         reason = unsupported(model, max_positions)
         if reason is not None:
@@ -182,11 +182,7 @@ class LlamaDecoder(nn.Module):
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = body.layers[0].self_attn.head_dim
-        # From MIN_BYTES on a step is its weights' bytes: the matrices go to huge pages and the per-token operations
-        # to the row kernels' operators (a small model's step is not its arithmetic, and the library is not built
-        # for it)
-        large = _matrix_bytes(model) >= matmul_choice.MIN_BYTES
-        arena = _arena(model) if large else None
+        arena = _arena(model) if _matrix_bytes(model) >= huge_pages.MIN_BYTES else None
         tied = model.lm_head.weight is body.embed_tokens.weight
         self.layers = nn.ModuleList(_Layer(layer, arena) for layer in body.layers)
         _constant(self, "norm", body.norm.weight.detach())
@@ -205,9 +201,10 @@ class LlamaDecoder(nn.Module):
             cos, sin = body.rotary_emb(self.embed[:1], positions)  # [1, P, d] in the model's dtype, as HF makes it
         _constant(self, "cos", cos[0])
         _constant(self, "sin", sin[0])
-        self.kernels = kernels if kernels is not None else self._measure_kernels(large)
-        # whether eager forwards run the per-token operations as the row kernels' operators
-        self.layer_ops = (large and self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
+        self.kernels = kernels if kernels is not None else self._measure_kernels()
+        # whether eager forwards run the per-token operations as the row kernels' operators: for a small model as
+        # much as a large one, whose step is then mostly its calls from Python
+        self.layer_ops = (self.embed.device.type == "cpu" and self.embed.dtype in row_kernels.DTYPES
                           and row_kernels.unavailable() is None)
         # each layer's weights as row_kernels.decoder_layer takes them, where the rows kernel multiplies them all
         self.layer_weights = None
@@ -220,10 +217,10 @@ class LlamaDecoder(nn.Module):
     def _matrices(self) -> list:
         return [w for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
-    def _measure_kernels(self, large: bool) -> KernelPlan:
+    def _measure_kernels(self) -> KernelPlan:
         weights = self._matrices()
-        if not large:
-            return KernelPlan()  # a small model's step is not its products
+        if self.embed.device.type != "cpu":
+            return KernelPlan()  # cuBLAS picks its kernel per shape (and timing unsynchronized calls measures launches)
         if len({isinstance(w, Tensor) for w in weights}) > 1:
             return KernelPlan()  # one plan times every matrix of a forward with the same kinds
         return matmul_choice.measured_once(weights)

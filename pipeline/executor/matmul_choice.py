@@ -36,8 +36,6 @@ KINDS = ("linear", "w_xt", "rows", "widened")
 # The decode and verify widths, and one prompt chunk's (a forward wider than 16 runs as the width-64 measurement)
 WIDTHS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 64)
 SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # weights ``widened`` multiplies as float32 copies
-# Below this many weight bytes a step is overhead, not products, and timing them would only slow every start.
-MIN_BYTES = 64 << 20
 ROUNDS = 2
 # F.linear stays unless the other form is clearly faster: two forms within the timing noise of a shared machine
 # would otherwise be picked by chance, and a whole forward then runs slower than its matrices timed apart.

@@ -77,7 +77,7 @@ def unavailable() -> str | None:
 
 def state() -> str:
     """What this process knows of the kernel without trying it: "loaded (ISA)", why it is unavailable, or "not tried"
-    (no product was measured yet: models under matmul_choice.MIN_BYTES never ask for it)."""
+    (no engine has opened a model on a CPU in this process yet)."""
     if "reason" not in _state:
         return "not tried"
     if _state["reason"]:

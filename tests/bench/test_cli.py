@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from pipeline.executor import attention_choice, row_kernels
+from pipeline.executor import attention_choice, matmul_choice, row_kernels
 from pipeline.cli import main
 from pipeline.speculative.analytic import speedup_bound
 from pipeline.speculative.tree import TokenTree
@@ -43,14 +43,17 @@ def test_bench_from_built_engines_writes_consistent_results(built_engines, tiny_
     assert data["machine"]["cpu_count"] >= 1 and data["machine"]["device"] == "cpu"
     assert data["options"]["k_max"] == 4 and data["options"]["k_values"] == [1, 2, 4]
     assert data["loaded_from"].startswith("engines")
-    runner = {"runner": "lean", "why_not_lean": None, "kernels": {"by_width": {}, "ms": {}},  # tiny: not timed
+    runner = {"runner": "lean", "why_not_lean": None,
               "compiled": None,  # runtime.torch_compile is off
-              "rows_kernel": row_kernels.state()}  # whatever this process found, if it asked
+              "rows_kernel": row_kernels.state()}  # whatever this process found
     attention = {role: data["runners"][role].pop("attention") for role in ("target", "draft")}
+    kernels = {role: data["runners"][role].pop("kernels") for role in ("target", "draft")}
     assert data["runners"] == {"target": runner, "draft": runner}
     widths = {str(w) for w in attention_choice.WIDTHS}
     assert all(set(plan["by_width"]) == widths for plan in attention.values())  # measured
-    assert "target runner: lean; matrix product by forward width: F.linear at every width" in printed.out
+    widths = {str(w) for w in matmul_choice.WIDTHS}
+    assert all(set(plan["by_width"]) == widths and plan["ms"] for plan in kernels.values())  # measured, however small
+    assert "target runner: lean; matrix product by forward width: 1: " in printed.out
     for record in records:
         assert FIELDS <= record.keys(), FIELDS - record.keys()
         assert record["prompt_set"] == "code"
