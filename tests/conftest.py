@@ -118,6 +118,20 @@ def pair_copy(tiny_pair, tmp_path) -> Path:
     return copy
 
 
+def cache_sharing_kernels(folder: Path) -> Path:
+    """``folder`` made a $SPECPIPE_CACHE of its own that shares the usual one's built C++ kernels and measured
+    kernel plans (a minute of compiling and timing that a test of something else should not pay, nor wait for
+    behind another process's lock)."""
+    from pipeline.artifacts import cache_root
+
+    shared = cache_root()
+    folder.mkdir(mode=0o700, parents=True)
+    for name in ("extensions", "kernel-plans"):
+        (shared / name).mkdir(mode=0o700, parents=True, exist_ok=True)
+        (folder / name).symlink_to(shared / name)
+    return folder
+
+
 def load_tiny_models(pair: Path):
     """(target, draft, tokenizer) of a tiny pair folder, float32, in eval mode."""
     import torch

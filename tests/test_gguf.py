@@ -12,21 +12,13 @@ from pipeline.config import ModelSpec, parse_config
 from pipeline.errors import ModelError
 from pipeline.gguf import loadable_types, nonfinite_sample, sha256_file
 from pipeline.models import load_tokenizer, read_hf_config, resolve_model, validate_weights, weights_nonfinite
-from tests.conftest import run_cli
+from tests.conftest import cache_sharing_kernels, run_cli
 
 
 @pytest.fixture()
 def isolated_cache(tmp_path, monkeypatch):
-    """A cache of its own for the dequantized models, sharing the usual one's built C++ kernels and measured kernel
-    plans (a minute of compiling and timing that these tests are not about)."""
-    from pipeline.artifacts import cache_root
-
-    shared = cache_root()
-    cache = tmp_path / "cache"
-    cache.mkdir(mode=0o700)
-    for name in ("extensions", "kernel-plans"):
-        (shared / name).mkdir(mode=0o700, parents=True, exist_ok=True)
-        (cache / name).symlink_to(shared / name)
+    """A cache of its own for the dequantized models (cache_sharing_kernels)."""
+    cache = cache_sharing_kernels(tmp_path / "cache")
     monkeypatch.setenv("SPECPIPE_CACHE", str(cache))
     return cache
 

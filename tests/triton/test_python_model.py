@@ -30,6 +30,7 @@ from pipeline.config import load_config  # noqa: E402
 from pipeline.executor import SpeculativeExecutor  # noqa: E402
 from pipeline.triton.repository import deploy  # noqa: E402
 from pipeline.triton.server import Endpoints, TritonServer  # noqa: E402
+from tests.conftest import cache_sharing_kernels  # noqa: E402
 from tests.triton_helpers import free_port, start_server  # noqa: E402
 from pipeline.chat import encode_chat, end_of_turn_ids
 
@@ -463,7 +464,8 @@ def test_a_compiled_engine_loads_and_serves_inside_triton(built_engines, expecte
         "speculative": config.speculative.model_copy(update={"method": Method.NGRAM})})  # no draft model to compile
     repo = deploy(config, engines).path
     endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
-    with mock.patch.dict("os.environ", {"SPECPIPE_CACHE": str(tmp_path / "cache")}):
+    # the row kernels' library is built already: shared, or the model process would build it again
+    with mock.patch.dict("os.environ", {"SPECPIPE_CACHE": str(cache_sharing_kernels(tmp_path / "cache"))}):
         running = TritonServer(repo, endpoints, log_path=tmp_path / "server.log").start(ready_timeout_s=600)
     try:
         prompt = PROMPTS[0]
