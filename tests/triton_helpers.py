@@ -21,15 +21,26 @@ REPO = Path(__file__).resolve().parents[1]
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now (a race with other processes is possible but rare)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports nothing listens on right now: all bound at once, so the system cannot hand one out
+    twice (free_port called twice in a row can return the same port)."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 def start_server(config_path: Path, engines: Path, log_path: Path) -> TritonServer:
     """Deploy the engines and start tritonserver on free loopback ports; the caller stops it."""
     repo = deploy(load_config(config_path), engines).path
-    endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
+    endpoints = Endpoints("127.0.0.1", *free_ports(3))
     return TritonServer(repo, endpoints, log_path=log_path).start(ready_timeout_s=400)  # slow on a busy 2-core box
 
 

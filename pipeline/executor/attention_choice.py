@@ -73,10 +73,10 @@ KERNELS = {"sdpa": sdpa, "grouped": grouped_attention, "sdpa_f32": sdpa_f32}  # 
 def kinds_for(dtype: torch.dtype, device: torch.device, dim: int, library: bool) -> tuple[str, ...]:
     """The kernels worth timing: sdpa_f32 only for 16-bit models (in float32 it is SDPA itself); ``paged`` (the
     row kernels' C++ attention, which reads the block pools in place) where ``library`` (the caller lets the row
-    kernels' library be built: an engine does) and it loads on this CPU, for a float32 or bfloat16 model whose head size
-    is a multiple of 16."""
-    paged = (library and device.type == "cpu" and dtype in row_kernels.DTYPES and dim % 16 == 0
-             and row_kernels.unavailable() is None)
+    kernels' library be built: an engine does) and it loads on this CPU, for a float32 or bfloat16 model whose head
+    size is a multiple of the kernel's lanes (row_kernels.head_multiple: 8 on AVX2, 16 on AVX-512)."""
+    paged = (library and device.type == "cpu" and dtype in row_kernels.DTYPES and row_kernels.unavailable() is None
+             and dim % row_kernels.head_multiple() == 0)
     return tuple(kind for kind in KINDS if not (kind == "sdpa_f32" and dtype == torch.float32)
                  and (kind != "paged" or paged))
 

@@ -75,6 +75,16 @@ def unavailable() -> str | None:
     return _state["reason"]
 
 
+# The float32 lanes of each instruction set: the paged attention kernel steps through a head that many at a time.
+LANES = {"avx512": 16, "avx2": 8}
+
+
+def head_multiple() -> int:
+    """What the loaded kernels take a head size as a multiple of (their lanes: 8 on AVX2); 16, which every build
+    takes, while the library is not loaded."""
+    return LANES.get(_state.get("isa"), 16) if _state.get("reason", "") is None else 16
+
+
 def state() -> str:
     """What this process knows of the kernel without trying it: "loaded (ISA)", why it is unavailable, or "not tried"
     (no engine has opened a model on a CPU in this process yet)."""

@@ -14,7 +14,7 @@ jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("uvicorn")
 
 from tests.conftest import REPO  # noqa: E402
-from tests.triton_helpers import Serve, free_port  # noqa: E402
+from tests.triton_helpers import Serve, free_ports  # noqa: E402
 
 MODEL = "smollm2-135m-ngram"
 ASK = [{"role": "user", "content": "Rename x to count in: def f(x): return x + 1"}]
@@ -33,7 +33,7 @@ def client(real_model_dir, tmp_path_factory):
     data = yaml.safe_load((REPO / "configs" / f"{MODEL}.yaml").read_text())
     data["target"]["model"] = str(real_model_dir)
     data["build"] = {**data["build"], "max_batch_size": 4, "max_input_len": 512, "max_seq_len": 1024}
-    ports = {name: free_port() for name in ("http_port", "grpc_port", "metrics_port", "openai_port")}
+    ports = dict(zip(("http_port", "grpc_port", "metrics_port", "openai_port"), free_ports(4)))
     data["serve"] = {"bind_address": "127.0.0.1", **ports}
     config = folder / f"{MODEL}.yaml"
     config.write_text(yaml.safe_dump(data))

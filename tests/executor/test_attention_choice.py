@@ -71,6 +71,16 @@ def test_every_kernel_computes_grouped_query_attention(kind):
                           _reference(query, key, value, mask, 16 ** -0.5), atol=1e-5)
 
 
+@pytest.mark.skipif(LIBRARY is not None or row_kernels.head_multiple() != 8,
+                    reason="heads of 24: the C++ kernel's eight lanes (an AVX2 build)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_plus_plus_kernel_takes_heads_of_its_lane_width(dtype):
+    query, key, value, mask = _inputs(dtype, dim=24, width=5, length=40)
+    out = _paged("paged", query, key, value, mask, 0.3)
+    tolerance = 1e-5 if dtype == torch.float32 else 0.03
+    assert (out.double() - _reference(query, key, value, mask, 0.3)).abs().max() < tolerance
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_keeps_16_bit_inputs_close_to_float32(kind):
     _runs(kind)
@@ -145,7 +155,11 @@ def test_a_models_heads_come_from_its_config(monkeypatch):
 
 def test_the_c_plus_plus_kernel_is_timed_only_where_it_can_run(monkeypatch):
     cpu = torch.device("cpu")
-    monkeypatch.setattr(row_kernels, "_state", {"reason": None})
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None, "isa": "avx2"})  # eight lanes: heads of 24 too
+    assert "paged" in attention_choice.kinds_for(torch.float32, cpu, 24, library=True)
+    assert "paged" not in attention_choice.kinds_for(torch.float32, cpu, 20, library=True)
+    monkeypatch.setattr(row_kernels, "_state", {"reason": None, "isa": "avx512"})
+    assert "paged" not in attention_choice.kinds_for(torch.float32, cpu, 24, library=True)
     assert attention_choice.kinds_for(torch.bfloat16, cpu, 64, library=True) == KINDS
     assert attention_choice.kinds_for(torch.float32, cpu, 64, library=True) == ("sdpa", "grouped", "paged")
     assert "paged" not in attention_choice.kinds_for(torch.bfloat16, cpu, 64, library=False)

@@ -25,7 +25,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
 from tests.conftest import one_error_line, run_cli, write_config  # noqa: E402
-from tests.triton_helpers import Serve, free_port, trtllm_config_dict  # noqa: E402
+from tests.triton_helpers import Serve, free_ports, trtllm_config_dict  # noqa: E402
 
 MODEL = "tiny-chat"  # the chat engines' config name: the endpoint's one model id
 PROMPT = "def fibonacci(n):"
@@ -35,8 +35,7 @@ LONG = 480  # tokens an uncancelled request would run: > 1 s at one token per st
 
 def serve_config(source: Path, folder: Path) -> tuple[Path, dict]:
     data = yaml.safe_load(source.read_text())
-    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port(),
-             "openai_port": free_port()}
+    ports = dict(zip(("http_port", "grpc_port", "metrics_port", "openai_port"), free_ports(4)))
     data["serve"] = {"bind_address": "127.0.0.1", **ports}
     path = folder / source.name
     path.write_text(yaml.safe_dump(data))

@@ -33,7 +33,7 @@ import yaml
 
 from pipeline.triton import procfs
 from tests.conftest import PY, REPO, one_error_line, run_cli, write_config
-from tests.triton_helpers import Serve, _children, free_port, process_tree_rss, trtllm_config_dict
+from tests.triton_helpers import Serve, _children, free_ports, process_tree_rss, trtllm_config_dict
 
 
 SECRET = "hf_reliabilitySECRET0123456789"
@@ -47,9 +47,13 @@ JSON = {"Content-Type": "application/json"}
 
 
 def _config(source: Path, folder: Path, **serve) -> Path:
+    """``source`` with serve on loopback ports of its own; ``openai_port=True`` takes one more."""
     data = yaml.safe_load(source.read_text())
-    data["serve"] = {"bind_address": "127.0.0.1", "http_port": free_port(), "grpc_port": free_port(),
-                     "metrics_port": free_port(), **serve}
+    http, grpc, metrics, openai = free_ports(4)
+    if serve.get("openai_port") is True:
+        serve["openai_port"] = openai
+    data["serve"] = {"bind_address": "127.0.0.1", "http_port": http, "grpc_port": grpc, "metrics_port": metrics,
+                     **serve}
     path = folder / source.name
     path.write_text(yaml.safe_dump(data))
     return path
@@ -432,7 +436,7 @@ def test_second_signal_kills_tritonserver_before_serve_exits(built_engines, tmp_
 def test_sigterm_ends_running_openai_streams_in_band(built_engines, tmp_path):
     # drain_timeout_s 0: the drain deadline passes at once, so the running streams must be ended, not cut.
     config_path, engines = built_engines
-    config = _config(config_path, tmp_path, drain_timeout_s=0, openai_port=free_port())
+    config = _config(config_path, tmp_path, drain_timeout_s=0, openai_port=True)
     serve = Serve(config, engines, "--openai")
     try:
         assert serve.wait_for(lambda line: line.startswith("OpenAI-compatible:"), 420), serve.text()
@@ -568,7 +572,7 @@ def test_deploy_and_serve_cli_for_trtllm(tmp_path):
 def test_serve_prints_endpoints_answers_and_stops_on_sigterm(built_engines, tmp_path):
     config_path, engines = built_engines
     data = yaml.safe_load(config_path.read_text())
-    ports = {"http_port": free_port(), "grpc_port": free_port(), "metrics_port": free_port()}
+    ports = dict(zip(("http_port", "grpc_port", "metrics_port"), free_ports(3)))
     data["serve"] = {"bind_address": "127.0.0.1"}  # the ports come from the flags, overriding 8000-8002
     config = tmp_path / config_path.name
     config.write_text(yaml.safe_dump(data))

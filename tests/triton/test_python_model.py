@@ -31,7 +31,7 @@ from pipeline.executor import SpeculativeExecutor  # noqa: E402
 from pipeline.triton.repository import deploy  # noqa: E402
 from pipeline.triton.server import Endpoints, TritonServer  # noqa: E402
 from tests.conftest import cache_sharing_kernels  # noqa: E402
-from tests.triton_helpers import free_port, start_server  # noqa: E402
+from tests.triton_helpers import free_ports, start_server  # noqa: E402
 from pipeline.chat import encode_chat, end_of_turn_ids
 
 pytestmark = pytest.mark.server
@@ -59,7 +59,7 @@ def server(built_engines, tmp_path_factory):
     # The prefix-cache counters are off by default (serve.prefix_cache_metrics); this server exports them.
     config = config.model_copy(update={"serve": config.serve.model_copy(update={"prefix_cache_metrics": True})})
     repo = deploy(config, engines).path
-    endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
+    endpoints = Endpoints("127.0.0.1", *free_ports(3))
     log = tmp_path_factory.mktemp("triton") / "server.log"
     running = TritonServer(repo, endpoints, log_path=log).start(ready_timeout_s=400)  # slow on a busy 2-core box
     try:
@@ -463,7 +463,7 @@ def test_a_compiled_engine_loads_and_serves_inside_triton(built_engines, expecte
         "runtime": config.runtime.model_copy(update={"torch_compile": True, "compile_max_width": 1}),
         "speculative": config.speculative.model_copy(update={"method": Method.NGRAM})})  # no draft model to compile
     repo = deploy(config, engines).path
-    endpoints = Endpoints("127.0.0.1", free_port(), free_port(), free_port())
+    endpoints = Endpoints("127.0.0.1", *free_ports(3))
     # the row kernels' library is built already: shared, or the model process would build it again
     with mock.patch.dict("os.environ", {"SPECPIPE_CACHE": str(cache_sharing_kernels(tmp_path / "cache"))}):
         running = TritonServer(repo, endpoints, log_path=tmp_path / "server.log").start(ready_timeout_s=600)
