@@ -9,7 +9,6 @@ checks a config against it without this module.
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from .built_config import check_built_from, role_config
 from .checks import CheckReport, check_pair, with_resolved_defaults
 from .config import PipelineConfig
 from .dtypes import torch_device
-from .engine_info import ENGINE_FILE
+from .engine_info import read_engine
 from .layout import Layout
 from .models import resolve_model, weight_files
 
@@ -114,9 +113,7 @@ def _ready_row_kernels(config: PipelineConfig, layout: Layout) -> None:
     folder) rather than at the engine's first start. A CPU it cannot run on is said, not an error."""
     if config.backend != "torch" or torch_device(config.runtime.device) != "cpu":
         return
-    runners = [json.loads((layout.stage_dir(role, "build") / ENGINE_FILE).read_text()).get("runner")
-               for role in config.roles]
-    if "lean" in runners:
+    if any(read_engine(layout.root, role).runner == "lean" for role in config.roles):
         from .executor import row_kernels
 
         print(f"row kernels: {row_kernels.unavailable() or row_kernels.state()}", file=sys.stderr, flush=True)

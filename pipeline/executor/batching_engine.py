@@ -550,11 +550,10 @@ class BatchingEngine:
             return {}
         width = argmax.shape[1]
         argmax = argmax.cpu()  # one small transfer instead of the logits
-        if batch.draft_tokens.shape[1] == 0:  # nothing drafted (target-only): each row's token is its argmax
-            tokens = argmax[chosen, batch.first_logit[chosen].clamp_max(width - 1)].tolist()
-            return {row: ([token], 0, []) for row, token in zip(chosen, tokens)}
         positions = self._judged_positions(batch, chosen, width)
         target_tokens = argmax[chosen].gather(1, positions)  # [g, K+1]
+        if batch.draft_tokens.shape[1] == 0:  # nothing drafted (target-only): nothing to match, the target's token
+            return {row: ([token], 0, []) for row, token in zip(chosen, target_tokens[:, 0].tolist())}
         output, num_accepted = accept_matching(batch.draft_tokens[chosen], target_tokens)
         return _per_row(chosen, output, num_accepted)
 

@@ -8,7 +8,8 @@ precomputed tables, and paged attention. Where the row kernels' C++ library load
 on a CPU also runs RMSNorm, RoPE and SiLU(gate) * up as one operator each (rounded as the torch expressions; a
 compiled forward leaves them to the compiler), and a step whose rows share one width runs each layer in one call.
 The weights are the loaded model's: the fused matrices are new tensors (from huge_pages.MIN_BYTES of them, in one
-block of huge pages) and the model's own projections become views into them, so nothing is held twice and the model still serves ``generate``.
+block of huge pages) and the model's own projections become views into them, so nothing is held twice and the
+model still serves ``generate``.
 
 ``unsupported(model)`` says why a model must stay on the Hugging Face path (None when it may run here; the rules on
 config.json alone are pipeline/decoder_support.py's, which `check` and the build use); the engine checks it and
@@ -171,8 +172,8 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, model, max_positions: int, kernels: KernelPlan | None = None, aux_layers: tuple = ()):
         """``kernels``: the matrix product per forward width; left out, measured over the model's weights on a
-        CPU (F.linear throughout on CUDA). ``aux_layers``: decoder layers whose
-        outputs (the residual stream after them) every forward also returns, for every token (see step)."""
+        CPU (F.linear throughout on CUDA). ``aux_layers``: decoder layers whose outputs (the residual stream after
+        them) every forward also returns, for every token (see step)."""
         reason = unsupported(model, max_positions)
         if reason is not None:
             raise ValueError(f"the lean decoder cannot run this model: {reason}")
