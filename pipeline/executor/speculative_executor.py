@@ -40,18 +40,19 @@ class SpeculativeExecutor(ExecutorBase):
                  ngram: NgramSettings | None = None, medusa=None, medusa_choices=DEFAULT_TREE,
                  kv: KVSettings | None = None, compile_max_width: int = DEFAULT_COMPILE_MAX_WIDTH,
                  suffix: SuffixSettings | None = None, eagle3=None, eagle3_tree: bool = False):
-        """``max_draft_len``: the K of a request that names none; ``engine_draft_len``: the K the engine was built
-        for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
+        """``max_draft_len``: the K of a request that names none; ``max_seq_len``: the longest prompt + output a request
+        may reach (None: the fewer positions either model was made for); ``engine_draft_len``: the K the engine was
+        built for, which no request may exceed (None: no limit); ``max_batch_size``: requests that run at once (the rest
         wait); ``adaptive_draft_len``: let the engine lower K per step when the batch makes drafting unprofitable
-        (serving; results never depend on it); ``compile``: torch.compile the forwards (True or "max-autotune",
-        as runtime.torch_compile; ``compile_max_width``: runtime.compile_max_width);
-        ``method``: who proposes draft tokens, "draft_model", "ngram" (lookup in the prompt and generated text;
-        ``draft_model`` may be None) or "ngram+draft" (per step, whichever promises more tokens per unit of cost) or
-        "medusa" (``medusa``: a MedusaHeads on this target; ``medusa_choices``: the candidate tree, a named tree or a
-        list of paths) or "suffix" (suffix trees over the prompt, the output and recent outputs, ``suffix`` their
-        settings; ``draft_model`` may be None) or "eagle3" (``eagle3``: EAGLE-3 heads for this target, a folder or
-        Eagle3Heads; ``eagle3_tree``: they draft a tree of K candidates instead of a chain); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the engine
-        step's token budget (chunked prefill)."""
+        (serving; results never depend on it); ``compile``: torch.compile the forwards (True or "max-autotune", as
+        runtime.torch_compile; ``compile_max_width``: runtime.compile_max_width); ``method``: who proposes draft tokens,
+        "draft_model", "ngram" (lookup in the prompt and generated text; ``draft_model`` may be None) or "ngram+draft"
+        (per step, whichever promises more tokens per unit of cost) or "medusa" (``medusa``: a MedusaHeads on this
+        target; ``medusa_choices``: the candidate tree, a named tree or a list of paths) or "suffix" (suffix trees over
+        the prompt, the output and recent outputs, ``suffix`` their settings; ``draft_model`` may be None) or "eagle3"
+        (``eagle3``: EAGLE-3 heads for this target, a folder or Eagle3Heads; ``eagle3_tree``: they draft a tree of K
+        candidates instead of a chain); ``kv``: the paged KV cache's block size, memory limit and prefix reuse, and the
+        engine step's token budget (chunked prefill)."""
         self.acceptance = checked_acceptance(acceptance)
         self.method = parse_method(method, draft_model is not None, has_medusa_heads=medusa is not None,
                                    has_eagle3_heads=eagle3 is not None)
@@ -60,6 +61,10 @@ class SpeculativeExecutor(ExecutorBase):
         self.device = torch.device(device)
         self.tokenizer = tokenizer
         self.max_draft_len = max_draft_len
+        if max_seq_len is None:
+            # The models' own position limit: the lean decoder's RoPE tables and a preallocated KV pool are sized by
+            # it, so an unbounded default would cost seconds and hundreds of MB at every start.
+            max_seq_len = _position_limit(target_model, draft_model)
         self.max_seq_len = max_seq_len
         self.max_input_len = max_input_len if max_input_len is not None else (
             max_seq_len - 1 if max_seq_len else None)
@@ -123,7 +128,7 @@ class SpeculativeExecutor(ExecutorBase):
         draft's own; ``medusa``: a Medusa heads folder (or MedusaHeads) for method medusa, with its tree
         ``medusa_choices``; ``eagle3``: an EAGLE-3 heads folder for method eagle3 (``eagle3_tree``: drafting trees); ``quantization`` / ``draft_quantization``: "int8_weight_only" quantizes that model's
         linear layers (pipeline/quantize.py; pass dtype bfloat16 for the fast CPU kernel)."""
-        from ..models import compare_tokenizers, max_positions
+        from ..models import compare_tokenizers
 
         target_model, target_tok = _load(target, "target", dtype, trust_remote_code, quantization)
         draft_model, draft_tok = _load(draft, "draft", draft_dtype or dtype, trust_remote_code, draft_quantization) \
@@ -134,10 +139,6 @@ class SpeculativeExecutor(ExecutorBase):
             if problems:
                 raise RequestError("draft: tokenizer differs from target (" + "; ".join(problems) +
                                    "); pick a draft from the same model family")
-        limits = [max_positions(m.config.to_dict()) for m in (target_model, draft_model) if m is not None]
-        limits = [x for x in limits if x]
-        if max_seq_len is None and limits:
-            max_seq_len = min(limits)
         return cls(target_model.to(device), draft_model.to(device) if draft_model is not None else None, tokenizer,
                    max_draft_len=max_draft_len, device=device, acceptance=acceptance, max_seq_len=max_seq_len,
                    max_batch_size=max_batch_size, compile=compile, method=method, ngram=ngram, medusa=medusa,
@@ -213,6 +214,15 @@ class SpeculativeExecutor(ExecutorBase):
         finally:  # a consumer that stops early (a closed stream) frees its rows at the engine's next step
             for request in requests:
                 self.engine.cancel(request)
+
+
+def _position_limit(target_model, draft_model) -> int:
+    """The fewest positions either model was made for (config.max_position_embeddings or its kin); UNBOUNDED_TOKENS
+    for models that name none."""
+    from ..models import max_positions
+
+    limits = [max_positions(m.config.to_dict()) for m in (target_model, draft_model) if m is not None]
+    return min((x for x in limits if x), default=UNBOUNDED_TOKENS)
 
 
 def _fit_heads(heads, target_model, tree):

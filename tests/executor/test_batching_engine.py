@@ -310,15 +310,15 @@ def test_fit_max_tokens_fits_the_kv_pool_instead_of_refusing(pair):
     ex.eos_token_ids = []
     prompt = tok(PROMPTS[2])["input_ids"]
     with pytest.raises(RequestError, match="needs \\d+ KV positions, but the KV cache holds 64"):
-        ex.new_request(prompt, 4096)
-    fitted = ex.new_request(prompt, 4096, fit_max_tokens=True, with_text=False)
+        ex.new_request(prompt, 1000)
+    fitted = ex.new_request(prompt, 1000, fit_max_tokens=True, with_text=False)
     assert fitted.max_new_tokens == 60 - len(prompt)
     (result,) = ex.run([fitted])
     assert result.token_ids == hf_greedy(target, prompt, 60 - len(prompt))
     assert ex.new_request(prompt, 5, fit_max_tokens=True).max_new_tokens == 5
     with pytest.raises(RequestError, match="prompt \\(60 tokens\\) \\+ max_tokens \\(1\\) needs 68 KV positions, but "
                                            "the KV cache holds 64 \\(build.kv_cache.max_tokens\\)"):
-        ex.new_request(list(range(5, 65)), 4096, fit_max_tokens=True)
+        ex.new_request(list(range(5, 65)), 1000, fit_max_tokens=True)
 
 
 def test_cache_salts_keep_prefix_reuse_apart(pair):

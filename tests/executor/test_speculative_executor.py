@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
@@ -220,6 +222,24 @@ def test_prompt_longer_than_engine_limit(pair):
         ex.generate([list(range(10, 50))], max_new_tokens=4)
     with pytest.raises(RequestError, match="max_seq_len 64"):
         ex.generate([list(range(10, 40))], max_new_tokens=40)
+
+
+def test_loaded_models_bound_the_sequence_by_their_own_positions(pair, random_draft):
+    """Without max_seq_len the pair's fewer positions bound a request; the lean decoder's RoPE tables are sized by
+    that bound, not by an unbounded default (which cost seconds and hundreds of MB per executor)."""
+    target, draft, tok = pair
+    short = LlamaForCausalLM(LlamaConfig(**{**random_draft.config.to_dict(), "max_position_embeddings": 96})).eval()
+    ex = SpeculativeExecutor(target, short, tok)
+    assert ex.max_seq_len == 96 and ex.max_input_len == 95
+    assert ex.engine.target._decoder.cos.shape[0] <= 96 + ex.engine.spare
+    with pytest.raises(RequestError, match="max_seq_len 96"):
+        ex.generate([list(range(10, 50))], max_new_tokens=60)
+    assert SpeculativeExecutor(target, short, tok, method="ngram").max_seq_len == \
+        target.config.max_position_embeddings  # a draft that never runs sets no limit
+    from pipeline.executor.speculative_executor import UNBOUNDED_TOKENS, _position_limit
+
+    no_limit = SimpleNamespace(config=SimpleNamespace(to_dict=dict))  # a config that names no position limit
+    assert _position_limit(no_limit, None) == UNBOUNDED_TOKENS and _position_limit(no_limit, short) == 96
 
 
 def test_from_engines_and_from_pretrained(built_engines, tiny_pair):
