@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from ..decoder_support import LEAN, MODULES
-from . import attention_choice, llama_decoder, paged_attention
+from . import attention_choice, llama_decoder, paged_attention, row_kernels
 from .block_pool import OutOfBlocks
 from .compiled_decoder import CompiledDecoder
+from .matmul_choice import KernelPlan
 from .paged_kv_cache import PagedKVCache
 
 
@@ -78,6 +79,33 @@ class BatchModelRunner:
             self._forward = torch.compile(self._call, dynamic=True) if compile else self._call
         else:
             self._forward = self._call_lean
+            if self.compiled is None:
+                self._prefer_whole_layers(follow)
+
+    def _prefer_whole_layers(self, leader: BatchModelRunner | None) -> None:
+        """The product plan is timed matrix by matrix, so it cannot see what the rows kernel is worth beyond its
+        products: with every product the rows kernel's, a decode or verify forward runs each layer in one C++ call
+        (LlamaDecoder._whole_layers), without a dozen operator calls from Python. At each width the plan gives
+        another kind where that call is possible, whole forwards are timed both ways (interleaved, best of
+        WHOLE_LAYER_ROUNDS) and the rows kernel kept where it was faster."""
+        decoder = self._decoder
+        plan = decoder.kernels
+        widths = [w for w, kind in sorted(plan.by_width.items())
+                  if kind != "rows" and w <= row_kernels.MAX_ROWS and "rows" in {k for k, _ in plan.times_ms}]
+        if decoder.layer_weights is None or not widths:
+            return
+        rows = KernelPlan({**plan.by_width, **dict.fromkeys(widths, "rows")}, dict(plan.times_ms))
+        best = {(name, w): float("inf") for name in ("plan", "rows") for w in widths}
+        for _ in range(WHOLE_LAYER_ROUNDS):
+            for name, candidate in (("plan", plan), ("rows", rows)):
+                decoder.kernels = candidate
+                for width, seconds in time_forwards(self, 1, widths, repeats=1, leader=leader).items():
+                    best[name, width] = min(best[name, width], seconds)
+        faster = [w for w in widths if best["rows", w] < best["plan", w]]
+        decoder.kernels = KernelPlan({**plan.by_width, **dict.fromkeys(faster, "rows")}, {
+            **plan.times_ms, **{(f"whole-{name}", w): seconds * 1e3 for (name, w), seconds in best.items()
+                                if seconds < float("inf")}})
+        self.kernels = decoder.kernels
 
     def length(self, seq) -> int:
         return self.cache.length(seq)
@@ -162,6 +190,7 @@ class BatchModelRunner:
 
 
 SCRATCH_CONTEXT = 8  # tokens of KV each timing row holds (prefilled row by row: within any compiled bucket)
+WHOLE_LAYER_ROUNDS = 5  # interleaved rounds of whole forwards when the plan is checked against whole layers
 
 
 @torch.inference_mode()

@@ -28,6 +28,7 @@ import hashlib
 import os
 import platform
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -123,7 +124,7 @@ def rows_mm_int8(x: Tensor, layer: Int8WeightOnlyLinear) -> Tensor:
     """The int8 layer's product for x [M, K] (1 <= M <= MAX_ROWS, float32 or bfloat16) -> [M, N] in x's dtype:
     each output the float32 sum of x times the int8 row, times the row's scale, plus the bias, rounded once (the
     layer's own forward rounds the product before adding its bias)."""
-    return torch.ops.specpipe_rows.rows_mm_int8(x, layer.qweight, layer.scale, layer.bias)
+    return torch.ops.specpipe_rows.rows_mm_int8(x, layer.qweight, *_float_scales(layer))
 
 
 def _load() -> str | None:
@@ -249,9 +250,28 @@ def decoder_layer(x: Tensor, weights: tuple, cos: Tensor, sin: Tensor, key: Tens
 def layer_weights(norm1: Tensor, eps1: float, matrices: list[tuple], norm2: Tensor, eps2: float) -> tuple:
     """decoder_layer's weight arguments from the layer's norms and its four matrices (qkv, o, gate_up, down), each
     (weight, bias) with the weight a tensor or an int8 layer (its own bias then)."""
-    qkv, o, gate_up, down = ((weight.qweight, weight.scale, weight.bias) if isinstance(weight, Int8WeightOnlyLinear)
-                             else (weight, None, bias) for weight, bias in matrices)
+    qkv, o, gate_up, down = ((weight.qweight, *_float_scales(weight)) if isinstance(weight, Int8WeightOnlyLinear)
+                             else (weight, None, _float(bias)) for weight, bias in matrices)
     return (norm1, eps1, *qkv, *o, norm2, eps2, *gate_up, *down)
+
+
+def _float(tensor: Tensor | None) -> Tensor | None:
+    """A scale or bias as the kernels add it: float32 and contiguous (a 16-bit one widens exactly), so a call does
+    not convert it again."""
+    return None if tensor is None else tensor.detach().float().contiguous()
+
+
+# int8 layer -> (its scale, its bias, their float32 copies): what rows_mm_int8 passes, made once per layer
+_FLOAT_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _float_scales(layer: Int8WeightOnlyLinear) -> tuple[Tensor, Tensor | None]:
+    """The int8 layer's scale and bias in float32 (see _float), made again only when the layer's own change."""
+    copies = _FLOAT_COPIES.get(layer)
+    if copies is None or copies[0] is not layer.scale or copies[1] is not layer.bias:
+        copies = (layer.scale, layer.bias, _float(layer.scale), _float(layer.bias))
+        _FLOAT_COPIES[layer] = copies
+    return copies[2], copies[3]
 
 
 def threads(rows: int = 1024) -> int:

@@ -232,9 +232,11 @@ def test_the_adaptive_k_policy_prices_the_heads_before_they_draft(deep_pair):
     heads = shaken_heads(target, noise=0.05)
     ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads,
                              adaptive_draft_len=True)
-    assert ex.engine.policy.draft.calibrated  # seconds per row, from the heads' own step
-    # Heads accepted almost always are worth drafting with (unpriced, one draft position cost a second).
-    assert max(ex.engine.policy.choose([0.95], [3], [True])) > 0
+    priced = ex.engine.policy.draft.calibrated  # seconds per row, from the heads' own step
+    # Unpriced, one draft position would cost a second. Whether drafting then pays is the policy's comparison with
+    # the target's step: on this 5-layer toy, whose layers run in one C++ call each, the heads' Python step can cost
+    # more than the target's, so the choice itself is not asserted here.
+    assert 0 < priced[1] < 0.5 and priced[8] == pytest.approx(8 * priced[1])  # rows draft one after another
 
 
 def test_a_request_that_never_drafts_gives_the_heads_nothing_to_fuse(deep_pair):

@@ -281,6 +281,9 @@ def test_a_step_of_one_width_runs_in_one_call_per_layer_with_the_operators_numbe
              (["a", "b"], [[9, 9], [1, 2, 5, 7]]),  # two widths: the operators
              (["b"], [[11]])]
 
+    # the plan is set below: no whole forwards timed at construction (they would add to the calls counted)
+    monkeypatch.setattr(BatchModelRunner, "_prefer_whole_layers", lambda self, leader: None)
+
     def run():
         runner = BatchModelRunner(model, "cpu", max_tokens=64, block_size=4, max_blocks=32)
         runner.cache.attention = AttentionPlan({16: "paged"})

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from pipeline.executor import attention_choice
+from pipeline.executor import attention_choice, row_kernels
 from pipeline.executor.attention_choice import KERNELS, AttentionPlan
 from pipeline.executor.model_runner import SCRATCH_CONTEXT, BatchModelRunner, time_forwards
 
@@ -232,3 +232,33 @@ def test_time_forwards_times_the_runner_on_scratch_rows_and_leaves_nothing_behin
     small, _ = _follower_pair(max_blocks=4)
     assert time_forwards(small, 8, [1]) == {}  # 8 rows of KV do not fit in 4 blocks
     assert small.cache.pool.tables == {} and small.cache.lengths == {}
+
+
+@pytest.mark.skipif(row_kernels.unavailable() is not None, reason="needs the row kernels' library (its one-call layer)")
+def test_the_rows_kernel_is_kept_where_whole_layers_in_one_call_run_faster(monkeypatch):
+    """The product plan is timed matrix by matrix; where it picked another kind at a width the one-call layer takes,
+    whole forwards are timed both ways and the rows kernel kept where they ran faster. Past the one-call layer's
+    widest forward the plan stands as measured."""
+    from pipeline.executor import matmul_choice, model_runner
+
+    measured = matmul_choice.KernelPlan({1: "linear", 2: "rows", 4: "w_xt", 64: "linear"},
+                                        {(kind, w): 1.0 for kind in ("linear", "rows") for w in (1, 2, 4, 64)})
+    monkeypatch.setattr(matmul_choice, "measured_once", lambda weights: measured)
+    # whole forwards: with rows at width 1, 1 ms against the plan's 2; at width 4, 3 ms against the plan's 2
+    cost = {(1, True): 1e-3, (1, False): 2e-3, (4, True): 3e-3, (4, False): 2e-3}
+    timed = []
+
+    def fake_time_forwards(runner, rows, widths, repeats=3, leader=None):
+        timed.append((rows, tuple(widths)))
+        return {w: cost[w, runner._decoder.kernels.kind(w) == "rows"] for w in widths}
+
+    monkeypatch.setattr(model_runner, "time_forwards", fake_time_forwards)
+    runner = BatchModelRunner(_llama(), "cpu", max_tokens=128, block_size=4, max_blocks=64)
+    assert runner._decoder.layer_weights is not None
+    assert runner.kernels.by_width == {1: "rows", 2: "rows", 4: "w_xt", 64: "linear"}
+    assert runner.kernels is runner._decoder.kernels and measured.by_width[1] == "linear"  # a new plan, not edited
+    assert timed == [(1, (1, 4))] * 2 * model_runner.WHOLE_LAYER_ROUNDS  # each round: the plan, then rows
+    assert runner.kernels.times_ms[("whole-rows", 1)] == 1.0 and runner.kernels.times_ms[("whole-plan", 4)] == 2.0
+    timed.clear()
+    modules = BatchModelRunner(_llama(), "cpu", max_tokens=128, block_size=4, max_blocks=64, lean=False)
+    assert timed == [] and modules.kernels is None  # the modules' path has no plan to check

@@ -75,6 +75,24 @@ def test_int8_is_the_layers_product_with_its_row_scales_and_bias(dtype, rows, k)
 
 
 @needs_kernel
+def test_an_int8_layers_float32_scales_follow_the_layer_and_any_scale_layout_gives_one_result():
+    """rows_mm_int8 passes float32 copies of the layer's scale and bias, made once: a layer given new ones (as fusing
+    gives its rows views of the fused scale) is multiplied by those; the operator takes 16-bit or strided ones too."""
+    layer = _int8_layer(dtype=torch.bfloat16)
+    x = torch.randn(3, 48, generator=torch.Generator().manual_seed(4)).bfloat16()
+    first = row_kernels.rows_mm_int8(x, layer)
+    layer.scale = layer.scale * 2
+    layer.bias = torch.nn.Parameter(layer.bias * 2, requires_grad=False)
+    assert torch.equal(row_kernels.rows_mm_int8(x, layer), first * 2)  # doubling is exact in every format
+    ops = torch.ops.specpipe_rows
+    strided = torch.stack([layer.scale.float(), torch.zeros(37)], dim=1)[:, 0]  # float32, not contiguous
+    assert not strided.is_contiguous()
+    expected = ops.rows_mm_int8(x, layer.qweight, layer.scale.float(), layer.bias.float())
+    for scale, bias in ((layer.scale, layer.bias), (strided, layer.bias.float())):
+        assert torch.equal(ops.rows_mm_int8(x, layer.qweight, scale, bias), expected)
+
+
+@needs_kernel
 def test_an_int8_rows_result_does_not_depend_on_its_neighbours_or_the_thread_count():
     layer = _int8_layer(n=300, k=80, dtype=torch.bfloat16)
     x = torch.randn(16, 80, generator=torch.Generator().manual_seed(3)).bfloat16()

@@ -66,12 +66,33 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
     return ((table_row[j / s.block_size] * s.block_size + j % s.block_size) * s.kv_heads + kv) * s.dim;
   };
   const int64_t lines = (s.dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
+  // bfloat16 keys and values read by several queries are widened to float32 once per tile (exactly), not once per
+  // query: widening is two operations per lanes-full, as many as the multiply-add that uses it. From four queries
+  // (on the Zen 3 EPYC, five tokens of a group of three: 20-30% less time; one token's three queries no faster).
+  constexpr bool kWidens = !std::is_same<T, float>::value;
+  constexpr int64_t kWidenFrom = 4;
+  const bool widen = kWidens && queries >= kWidenFrom;
+  std::vector<float> wide(widen ? 2 * kTile * s.dim : 0);
+  const float* kw[kTile];
+  const float* vw[kTile];
   for (int64_t j0 = chunk * kChunk; j0 < end; j0 += kTile) {
     const int64_t tile = std::min(kTile, end - j0);
     for (int64_t u = 0; u < kTile; ++u) {  // a short last tile repeats its first key (its scores are "never")
       const int64_t at = offset(j0 + (u < tile ? u : 0));
       k[u] = keys + at;
       v[u] = values + at;
+    }
+    if (widen) {
+      for (int64_t u = 0; u < kTile; ++u) {
+        float* kd = wide.data() + u * s.dim;
+        float* vd = wide.data() + (kTile + u) * s.dim;
+        for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
+          Lanes::store(kd + t, Lanes::load(k[u] + t));
+          Lanes::store(vd + t, Lanes::load(v[u] + t));
+        }
+        kw[u] = kd;
+        vw[u] = vd;
+      }
     }
     // The next tile's keys and values asked of memory now: a step's weights have pushed the pools out of the
     // caches, and each tile would otherwise wait for its loads before it computes
@@ -83,70 +104,78 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
         _mm_prefetch(value_row + 64 * line, _MM_HINT_T0);
       }
     }
-    // Three passes over the queries, each query's arithmetic the same as in one: the scores of all, then the
-    // softmax weights of all, then the weighted values of all. Within a query each step waits on the one before
-    // (sum, scale, maximum, exp, multiply-add); across queries they are independent, and passes let the CPU
-    // overlap them.
-    for (int64_t i = 0; i < queries; ++i) {
-      // The tile's scores: independent dot products side by side (one would wait on its own multiply-adds)
-      typename Lanes::V dots[kTile];
+    // keys kk and values vv of the tile: float32 or the pools' own type (Lanes::load widens on the way)
+    const auto passes = [&](const auto* const* kk, const auto* const* vv) {
+      // Three passes over the queries, each query's arithmetic the same as in one: the scores of all, then the
+      // softmax weights of all, then the weighted values of all. Within a query each step waits on the one before
+      // (sum, scale, maximum, exp, multiply-add); across queries they are independent, and passes let the CPU
+      // overlap them.
+      for (int64_t i = 0; i < queries; ++i) {
+        // The tile's scores: independent dot products side by side (one would wait on its own multiply-adds)
+        typename Lanes::V dots[kTile];
 #pragma GCC unroll 8
-      for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::zero();
-      const float* qi = q.data() + i * s.dim;
-      for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
-        const typename Lanes::V qv = Lanes::load(qi + t);
+        for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::zero();
+        const float* qi = q.data() + i * s.dim;
+        for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
+          const typename Lanes::V qv = Lanes::load(qi + t);
 #pragma GCC unroll 8
-        for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::fma(qv, Lanes::load(k[u] + t), dots[u]);
+          for (int64_t u = 0; u < kTile; ++u) dots[u] = Lanes::fma(qv, Lanes::load(kk[u] + t), dots[u]);
+        }
+        float* scores = tile_scores.data() + i * kTile;
+        specpipe::sums8(dots, scores);
+        float best = kNone;
+        if (tile == kTile) {
+          best = specpipe::scaled_scores8(scores, m[i] + j0, s.scale, kNever);
+        } else {
+          for (int64_t u = 0; u < kTile; ++u) {
+            const float bias = u < tile ? m[i][j0 + u] : kNever;
+            scores[u] = bias <= kNever ? kNone : scores[u] * s.scale + bias;  // "never": its weight is 0
+            best = std::max(best, scores[u]);
+          }
+        }
+        bests[i] = best;
       }
-      float* scores = tile_scores.data() + i * kTile;
-      specpipe::sums8(dots, scores);
-      float best = kNone;
-      if (tile == kTile) {
-        best = specpipe::scaled_scores8(scores, m[i] + j0, s.scale, kNever);
-      } else {
-        for (int64_t u = 0; u < kTile; ++u) {
-          const float bias = u < tile ? m[i][j0 + u] : kNever;
-          scores[u] = bias <= kNever ? kNone : scores[u] * s.scale + bias;  // "never": its weight is 0
-          best = std::max(best, scores[u]);
+      for (int64_t i = 0; i < queries; ++i) {
+        const float best = bests[i];
+        if (best == kNone) continue;  // no key of this tile for this query
+        float* acc = part + i * stride;
+        float& top = acc[s.dim];
+        float& total = acc[s.dim + 1];
+        if (best > top) {  // a new maximum: what was summed so far is rescaled to it
+          const float shrink = top == kNone ? 0.0f : specpipe::exp1(top - best);
+          if (total > 0.0f) {
+            const typename Lanes::V c = Lanes::set1(shrink);
+            for (int64_t t = 0; t < s.dim; t += Lanes::kWidth)
+              Lanes::store(acc + t, Lanes::fma(c, Lanes::load(acc + t), Lanes::zero()));
+          }
+          total *= shrink;
+          top = best;
+        }
+        float* weights = tile_weights.data() + i * kTile;
+        specpipe::exp8(tile_scores.data() + i * kTile, top, weights);  // exp(score - top), 0 for "never"
+#pragma GCC unroll 8
+        for (int64_t u = 0; u < kTile; ++u) total += weights[u];
+      }
+      for (int64_t i = 0; i < queries; ++i) {
+        if (bests[i] == kNone) continue;
+        float* acc = part + i * stride;
+        const float* weights = tile_weights.data() + i * kTile;
+        typename Lanes::V weight[kTile];
+#pragma GCC unroll 8
+        for (int64_t u = 0; u < kTile; ++u) weight[u] = Lanes::set1(weights[u]);
+        // Each lane of the sum adds the tile's keys in order; a short tile's extra keys weigh 0 (adding exactly 0)
+        for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
+          typename Lanes::V sum = Lanes::load(acc + t);
+#pragma GCC unroll 8
+          for (int64_t u = 0; u < kTile; ++u) sum = Lanes::fma(weight[u], Lanes::load(vv[u] + t), sum);
+          Lanes::store(acc + t, sum);
         }
       }
-      bests[i] = best;
-    }
-    for (int64_t i = 0; i < queries; ++i) {
-      const float best = bests[i];
-      if (best == kNone) continue;  // no key of this tile for this query
-      float* acc = part + i * stride;
-      float& top = acc[s.dim];
-      float& total = acc[s.dim + 1];
-      if (best > top) {  // a new maximum: what was summed so far is rescaled to it
-        const float shrink = top == kNone ? 0.0f : specpipe::exp1(top - best);
-        if (total > 0.0f) {
-          const typename Lanes::V c = Lanes::set1(shrink);
-          for (int64_t t = 0; t < s.dim; t += Lanes::kWidth)
-            Lanes::store(acc + t, Lanes::fma(c, Lanes::load(acc + t), Lanes::zero()));
-        }
-        total *= shrink;
-        top = best;
-      }
-      float* weights = tile_weights.data() + i * kTile;
-      specpipe::exp8(tile_scores.data() + i * kTile, top, weights);  // exp(score - top), 0 for "never"
-#pragma GCC unroll 8
-      for (int64_t u = 0; u < kTile; ++u) total += weights[u];
-    }
-    for (int64_t i = 0; i < queries; ++i) {
-      if (bests[i] == kNone) continue;
-      float* acc = part + i * stride;
-      const float* weights = tile_weights.data() + i * kTile;
-      typename Lanes::V weight[kTile];
-#pragma GCC unroll 8
-      for (int64_t u = 0; u < kTile; ++u) weight[u] = Lanes::set1(weights[u]);
-      // Each lane of the sum adds the tile's keys in order; a short tile's extra keys weigh 0 (adding exactly 0)
-      for (int64_t t = 0; t < s.dim; t += Lanes::kWidth) {
-        typename Lanes::V sum = Lanes::load(acc + t);
-#pragma GCC unroll 8
-        for (int64_t u = 0; u < kTile; ++u) sum = Lanes::fma(weight[u], Lanes::load(v[u] + t), sum);
-        Lanes::store(acc + t, sum);
-      }
+    };
+    if (widen) {
+      passes(kw, vw);
+    } else {
+      passes(k, v);
     }
   }
 }

@@ -147,9 +147,12 @@ const float* as_float(const at::Tensor& x, std::vector<float>& copy) {
   return copy.data();
 }
 
-// A float32 copy of an optional per-output vector (a scale or a bias) when it is not float32 contiguous already.
+// An optional per-output vector (a scale or a bias) as float32 contiguous: itself when it is (row_kernels.py passes
+// them so, made once), else a copy.
 at::Tensor floats(const std::optional<at::Tensor>& v) {
-  return v.has_value() ? v->to(at::kFloat).contiguous() : at::Tensor();
+  if (!v.has_value()) return at::Tensor();
+  if (v->scalar_type() == at::kFloat && v->is_contiguous()) return *v;
+  return v->to(at::kFloat).contiguous();
 }
 
 // After the float32 sums of the weight rows [begin, end): each output times its row's scale (when given), plus its
