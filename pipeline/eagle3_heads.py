@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -161,9 +162,6 @@ class _MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
 
 class _Layer(nn.Module):
     def __init__(self, c: Eagle3Config):
@@ -201,6 +199,9 @@ class Eagle3Heads(nn.Module):
                              else torch.zeros(c.vocab_size, dtype=torch.bool))
         self.scaling = c.head_dim ** -0.5
         self.embed: Tensor | None = None  # the target's token embedding [V, d], set by attach()
+        # How a linear layer multiplies x [..., in] (None: its own forward). A proposer sets the product its runtime
+        # measured fastest for the few rows of a draft step; training leaves it unset.
+        self.product: Callable[[Tensor, nn.Linear], Tensor] | None = None
 
     # ---- construction and files ---------------------------------------------------------------------------------
 
@@ -295,9 +296,12 @@ class Eagle3Heads(nn.Module):
 
     # ---- the layer ----------------------------------------------------------------------------------------------
 
+    def _linear(self, layer: nn.Linear, x: Tensor) -> Tensor:
+        return layer(x) if self.product is None else self.product(x, layer)
+
     def fuse(self, states: Tensor) -> Tensor:
         """The target layers' outputs [..., len(target_layers), d_t] -> the first step's hidden state [..., d]."""
-        return self.fc(states.flatten(-2).to(self.fc.weight.dtype))
+        return self._linear(self.fc, states.flatten(-2).to(self.fc.weight.dtype))
 
     def project(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Projected:
         """tokens [..., T] (the token after each position), hidden [..., T, d], positions [..., T] (float RoPE
@@ -312,23 +316,24 @@ class Eagle3Heads(nn.Module):
         x = torch.cat([layer.input_layernorm(embeds), h], dim=-1)
         attn = layer.self_attn
         shape = x.shape[:-1]
-        q = attn.q_proj(x).view(*shape, c.num_attention_heads, c.head_dim)
-        k = attn.k_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
-        v = attn.v_proj(x).view(*shape, c.num_key_value_heads, c.head_dim)
+        q = self._linear(attn.q_proj, x).view(*shape, c.num_attention_heads, c.head_dim)
+        k = self._linear(attn.k_proj, x).view(*shape, c.num_key_value_heads, c.head_dim)
+        v = self._linear(attn.v_proj, x).view(*shape, c.num_key_value_heads, c.head_dim)
         cos, sin = self._rope(positions, x.dtype)
         return Projected(rotate(q, cos, sin), rotate(k, cos, sin), v, residual)
 
     def finish(self, attended: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
         """attended [..., T, H, hd] (attention's output per head) -> (normed output for lm_head, prenorm: the next
         step's hidden state), both [..., T, d]."""
-        layer = self.midlayer
-        r = layer.self_attn.o_proj(attended.flatten(-2)) + residual
-        prenorm = layer.mlp(layer.post_attention_layernorm(r)) + r
+        layer, mlp = self.midlayer, self.midlayer.mlp
+        r = self._linear(layer.self_attn.o_proj, attended.flatten(-2)) + residual
+        h = layer.post_attention_layernorm(r)
+        prenorm = self._linear(mlp.down_proj, F.silu(self._linear(mlp.gate_proj, h)) * self._linear(mlp.up_proj, h)) + r
         return self.norm(prenorm), prenorm
 
     def logits(self, normed: Tensor) -> Tensor:
         """[..., draft_vocab_size] logits over the draft ids."""
-        return self.lm_head(normed)
+        return self._linear(self.lm_head, normed)
 
     def target_ids(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -271,3 +271,31 @@ def test_penalties_and_a_grammar_hold_with_eagle3_drafts(deep_pair):
         PROMPTS, 24, **controls)
     for expected, result in zip(plain, spec):
         assert result.token_ids == expected.token_ids and result.stats.by_proposer["eagle3"][0] > 0
+
+
+def test_the_heads_multiply_with_the_products_measured_on_the_machine(deep_pair):
+    """On a CPU the proposer gives the heads the product measured fastest per width over their matrices (as the lean
+    decoder's): the same numbers as each layer's own forward within float32 rounding, used at every draft step."""
+    target, _, tok = load_tiny_models(deep_pair)
+    heads = shaken_heads(target, noise=0.05)
+    ex = SpeculativeExecutor(target, None, tok, max_draft_len=3, method="eagle3", eagle3=heads)
+    measured = ex.engine.proposers["eagle3"].heads.product
+    assert measured is not None and ex.engine.proposers["eagle3"].heads is heads
+    c = heads.config
+    gen = torch.Generator().manual_seed(5)
+    states = torch.randn(3, len(c.target_layers), c.target_hidden_size, generator=gen)
+    attended = torch.randn(3, c.num_attention_heads, c.head_dim, generator=gen)
+    with torch.inference_mode():
+        results = []
+        for product in (None, measured):
+            heads.product = product
+            hidden = heads.fuse(states)
+            projected = heads.project(torch.tensor([3, 1, 4]), hidden, torch.tensor([7, 8, 9]))
+            normed, prenorm = heads.finish(attended, projected.residual)
+            results.append([hidden, projected.q, projected.k, projected.v, prenorm, heads.logits(normed)])
+    for own, fast in zip(*results):
+        assert torch.allclose(own, fast, atol=1e-4, rtol=1e-4)
+    calls = []
+    heads.product = lambda x, layer: calls.append(layer) or measured(x, layer)
+    ex.generate(["def f(x):"], max_new_tokens=8)
+    assert heads.lm_head in calls and heads.midlayer.mlp.down_proj in calls
