@@ -67,8 +67,8 @@ void attend_chunk(const Shape& s, const T* query, const T* keys, const T* values
   };
   const int64_t lines = (s.dim * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   // bfloat16 keys and values read by several queries are widened to float32 once per tile (exactly), not once per
-  // query: widening is two operations per lanes-full, as many as the multiply-add that uses it. From four queries
-  // (on the Zen 3 EPYC, five tokens of a group of three: 20-30% less time; one token's three queries no faster).
+  // query: widening is two operations per lanes-full, as many as the multiply-add that uses it. From four queries:
+  // for fewer, storing the widened tile costs about what it saves.
   constexpr bool kWidens = !std::is_same<T, float>::value;
   constexpr int64_t kWidenFrom = 4;
   const bool widen = kWidens && queries >= kWidenFrom;
