@@ -90,9 +90,10 @@ class BatchModelRunner:
         WHOLE_LAYER_ROUNDS) and the rows kernel kept where it was faster."""
         decoder = self._decoder
         plan = decoder.kernels
-        widths = [w for w, kind in sorted(plan.by_width.items())
-                  if kind != "rows" and w <= row_kernels.MAX_ROWS and "rows" in {k for k, _ in plan.times_ms}]
-        if decoder.layer_weights is None or not widths:
+        if decoder.layer_weights is None or not any(kind == "rows" for kind, _ in plan.times_ms):
+            return  # no one-call layer, or no rows kernel among the kinds measured
+        widths = [w for w, kind in sorted(plan.by_width.items()) if kind != "rows" and w <= row_kernels.MAX_ROWS]
+        if not widths:
             return
         rows = KernelPlan({**plan.by_width, **dict.fromkeys(widths, "rows")}, dict(plan.times_ms))
         best = {(name, w): float("inf") for name in ("plan", "rows") for w in widths}
