@@ -7,7 +7,7 @@ import torch
 
 from pipeline.distill.dataset import DistillSet, generate_dataset, text_prompts
 from pipeline.distill.draft_init import draft_from_target
-from pipeline.distill.train import TrainOptions, evaluate, split, train_draft
+from pipeline.distill.train import StateCache, TrainOptions, evaluate, split, train_draft
 from pipeline.tinymodels import read_text, split_files, stdlib_files
 from tests.conftest import load_tiny_models
 
@@ -132,3 +132,27 @@ def test_a_reduced_vocabulary_draft_learns_and_serves_what_it_learnt(setup):
 
 
 VOCAB = 12  # of the tiny target's 512: fewer than its top-k (16), so some target mass lies outside
+
+
+def test_the_state_cache_computes_each_sequence_alone_and_keeps_what_fits(setup):
+    """The frozen target's states are computed once per sequence, for it alone (so a batch's companions cannot
+    change them), and past the budget computed again rather than kept."""
+    target, _, _, data = setup
+    computed = []
+
+    def compute(ids):
+        computed.append(ids.shape)
+        return target.base_model(input_ids=ids).last_hidden_state[0]
+
+    one, two = (len(data.sequence(s)[0]) for s in (1, 2))
+    size = one * target.config.hidden_size * 4  # float32
+    cache = StateCache(compute, data, budget=size)
+    batch = cache.batch([1, 2], 80)
+    assert computed == [torch.Size([1, one]), torch.Size([1, two])]  # each alone, unpadded
+    alone = target.base_model(input_ids=data.sequence(1)[0][None]).last_hidden_state[0]
+    torch.testing.assert_close(batch[0, :one], alone, rtol=0, atol=0)
+    assert batch.shape[:2] == (2, 80) and not batch[0, one:].any()  # right-padded with zeros
+    assert list(cache.kept) == [1] and cache.bytes == size  # sequence 2 no longer fits
+    cache.batch([1, 2], 80)
+    assert len(computed) == 3 and computed[-1] == torch.Size([1, two])  # 1 kept, 2 computed again
+

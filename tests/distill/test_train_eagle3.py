@@ -10,7 +10,9 @@ import torch
 
 from pipeline.cli import main
 from pipeline.distill.dataset import generate_dataset, text_prompts
-from pipeline.distill.train_eagle3 import Eagle3Options, draft_vocab, train_eagle3
+from pipeline.distill import train_eagle3 as train_module
+from pipeline.distill.train import padded_batch
+from pipeline.distill.train_eagle3 import Eagle3Options, draft_vocab, fused_states, target_states, train_eagle3, ttt_steps
 from pipeline.eagle3_heads import Eagle3Heads, default_layers
 from pipeline.executor import SpeculativeExecutor
 from pipeline.tinymodels import read_text, split_files, stdlib_files
@@ -68,6 +70,39 @@ def test_resume_continues_exactly(setup, tmp_path):
     assert train_eagle3(resumed, target, data, options, state_dir=tmp_path, resume=True)["finished"]
     for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
         assert torch.equal(a, b), name
+
+
+@torch.no_grad()
+def test_the_steps_from_a_later_position_are_the_tail_of_the_whole_sequences(setup):
+    """Training skips the queries of the positions nothing is taught at; the earlier positions must still give the
+    first step's keys (slicing them too, or a position or token shifted by the slice, changes the tail)."""
+    target, _, data = setup
+    options = Eagle3Options(tokens=100, vocab=200)
+    heads = heads_for(target, data, options)
+    input_ids, mask, _ = padded_batch(data, [0, 1, 2], "cpu")
+    states = target_states(target, heads.config.target_layers, input_ids, mask)
+    whole = list(ttt_steps(heads, input_ids, states, 3))
+    for first in (1, 17):
+        for j, part in enumerate(ttt_steps(heads, input_ids, states, 3, first)):
+            torch.testing.assert_close(part, whole[j][:, first:])
+
+
+def test_the_loss_skipping_untaught_positions_is_the_loss_over_all(setup, monkeypatch):
+    target, _, data = setup
+    options = Eagle3Options(tokens=100, vocab=200)
+    heads = heads_for(target, data, options)
+    cache = fused_states(target, heads.config.target_layers, data)
+    chosen = [0, 3, 5]
+    starts = [data.sequence(s)[1] for s in chosen]
+    assert train_module._first_trained(starts, 3) > 0  # the tiny prompts leave positions to skip
+    loss, per_step, positions = train_module._ttt_terms(heads, cache, chosen, 3, "cpu")
+    monkeypatch.setattr(train_module, "_first_trained", lambda starts, steps: 0)
+    every, every_step, every_positions = train_module._ttt_terms(heads, cache, chosen, 3, "cpu")
+    torch.testing.assert_close(loss, every)
+    assert positions == every_positions
+    for got, want in zip(per_step, every_step):
+        assert got[3] == want[3] and got[0] == want[0]
+        assert got[1] == pytest.approx(want[1], rel=1e-5) and got[2] == pytest.approx(want[2], rel=1e-5)
 
 
 def test_train_draft_kind_eagle3_writes_heads_a_config_builds_and_serves(deep_pair, tmp_path, capsys):
