@@ -86,11 +86,11 @@ ifeq ($(CONFIG),configs/smollm2-135m-medusa.yaml)
 PAIR_DEP := $(REAL_MODEL) $(MEDUSA_HEADS)
 endif
 # Its EAGLE-3 heads (one layer over three target layers' hidden states), with the settings of the README's figures
-# (about 36 minutes on 2 cores: the target's generations, 13, then the heads, 23).
+# (about 40 minutes on 2 cores: the target's generations, 9-13, then the heads, 28).
 EAGLE3_HEADS := models/smollm2-135m-eagle3-heads/manifest.json
 $(EAGLE3_HEADS): $(REAL_MODEL) | $(VENV)/.installed
 	$(PY) -m pipeline train-draft configs/smollm2-135m-eagle3.yaml --kind eagle3 --vocab 8192 --num-prompts 512 \
-		--tokens 120000 --new-tokens 64
+		--tokens 240000 --new-tokens 64
 ifeq ($(CONFIG),configs/smollm2-135m-eagle3.yaml)
 PAIR_DEP := $(REAL_MODEL) $(EAGLE3_HEADS)
 endif
