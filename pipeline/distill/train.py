@@ -107,10 +107,11 @@ class StateCache:
 
     @torch.no_grad()
     def of(self, sequence: int) -> torch.Tensor:
-        """The states of sequence ``sequence`` (its L tokens)."""
+        """The states of sequence ``sequence`` (its L tokens), in host memory (a GPU target's memory is the
+        model's)."""
         if sequence in self.kept:
             return self.kept[sequence]
-        states = self.compute(self.data.sequence(sequence)[0][None])
+        states = self.compute(self.data.sequence(sequence)[0][None]).cpu()
         size = states.numel() * states.element_size()
         if self.bytes + size <= self.budget:
             self.kept[sequence] = states
@@ -118,8 +119,8 @@ class StateCache:
         return states
 
     def batch(self, chosen: list[int], width: int) -> torch.Tensor:
-        """[B, width, ...]: the sequences' states, right-padded with zeros (only the padding's own positions could
-        read them, and nothing is trained there)."""
+        """[B, width, ...] on the CPU: the sequences' states, right-padded with zeros (only the padding's own
+        positions could read them, and nothing is trained there)."""
         rows = [self.of(s) for s in chosen]
         out = rows[0].new_zeros(len(rows), width, *rows[0].shape[1:])
         for r, states in enumerate(rows):
