@@ -13,7 +13,9 @@ along the training sequences (pipeline/draft_vocab.py): the loss, the normalisat
 over those tokens (the target's probability outside them counts as mass the draft cannot accept), and the ids are
 written to the draft's config so the executor computes only those logits.
 
-The loop itself (seeded batches, schedule, evaluations, resumable checkpoints) is ``loop.fit``.
+The loop itself (seeded batches, schedule, evaluations, resumable checkpoints) is ``loop.fit``. The heads' trainers
+(Medusa, EAGLE-3) read the frozen target's states along each sequence through ``StateCache``: computed once per
+sequence and kept, since batches draw each sequence several times.
 """
 
 from __future__ import annotations
