@@ -156,7 +156,8 @@ def evaluate_heads(heads: Eagle3Heads, target, data: DistillSet, sequences: list
     """The held-out figures of the module docstring over ``sequences`` (``cache``: the run's StateCache)."""
     heads.eval()
     device = heads.fc.weight.device
-    cache = cache or fused_states(target, heads.config.target_layers, data)
+    if cache is None:
+        cache = fused_states(target, heads.config.target_layers, data)
     totals = [[0.0, 0.0, 0.0, 0] for _ in range(steps)]
     loss, counted = 0.0, 0
     for first in range(0, len(sequences), batch_size):
@@ -191,8 +192,7 @@ def train_eagle3(heads: Eagle3Heads, target, data: DistillSet, options: Eagle3Op
 
     return fit(heads, options, train_set, tokens_per_seq, step_loss,
                lambda: evaluate_heads(heads, target, data, held_set, options.ttt_steps, cache=cache),
-               state_dir=state_dir,
-               resume=resume, stop_after=stop_after, desc="train eagle3 heads")
+               state_dir=state_dir, resume=resume, stop_after=stop_after, desc="train eagle3 heads")
 
 
 def draft_vocab(data: DistillSet, vocab: int | None, vocab_size: int, options: Eagle3Options) -> list[int] | None:

@@ -76,7 +76,8 @@ def evaluate_heads(heads: MedusaHeads, target, data: DistillSet, sequences: list
     """Per head, the held-out figures of the module docstring over ``sequences`` (``cache``: the run's StateCache)."""
     heads.eval()
     device = next(heads.parameters()).device
-    cache = cache or last_states(target, data)
+    if cache is None:
+        cache = last_states(target, data)
     totals = [[0.0, 0.0, 0] for _ in heads]
     loss, counted = 0.0, 0
     for first in range(0, len(sequences), batch_size):

@@ -12,7 +12,8 @@ from pipeline.cli import main
 from pipeline.distill.dataset import generate_dataset, text_prompts
 from pipeline.distill import train_eagle3 as train_module
 from pipeline.distill.train import padded_batch
-from pipeline.distill.train_eagle3 import Eagle3Options, draft_vocab, fused_states, target_states, train_eagle3, ttt_steps
+from pipeline.distill.train_eagle3 import (Eagle3Options, draft_vocab, fused_states, target_states, train_eagle3,
+                                           ttt_steps)
 from pipeline.eagle3_heads import Eagle3Heads, default_layers
 from pipeline.executor import SpeculativeExecutor
 from pipeline.tinymodels import read_text, split_files, stdlib_files

@@ -74,17 +74,17 @@ def measured_product(heads: Eagle3Heads):
     """The heads' products as the lean decoder's are made on a CPU: the kind measured fastest per width over their
     matrices (matmul_choice; a draft step multiplies one row per chain, where aten's float32 product reads about half
     as fast as the rows kernel). None elsewhere: each layer's own forward."""
-    layers = [m for m in heads.modules() if type(m) is nn.Linear]
-    weights = [layer.weight.detach() for layer in layers]
-    if weights[0].device.type != "cpu" or len({w.dtype for w in weights}) > 1:
+    weights = {m: m.weight.detach() for m in heads.modules() if type(m) is nn.Linear}  # detached once, not per step
+    if next(iter(weights.values())).device.type != "cpu" or len({w.dtype for w in weights.values()}) > 1:
         return None
-    plan = matmul_choice.measured_once(weights)
+    plan = matmul_choice.measured_once(list(weights.values()))
 
     def product(x: Tensor, layer: nn.Linear) -> Tensor:
-        if x.dtype != layer.weight.dtype:
+        weight = weights[layer]
+        if x.dtype != weight.dtype:
             return layer(x)
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = matmul_choice.product(plan.kind(rows.shape[0]), rows, layer.weight.detach(), layer.bias)
+        out = matmul_choice.product(plan.kind(rows.shape[0]), rows, weight, layer.bias)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return product
